@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine:
+#   bash run.sh example   build, then run notebooks/examples.ipynb (or the demo) on a local 2-rank CPU pool
+#   bash run.sh test      build, then run the whole test suite
+# Everything it needs is bootstrapped: Debian packages (when root), a pinned virtual environment cached
+# outside the checkout (keyed by requirements.txt), and an incremental ccache'd build of superkernel._C.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cmd="${1:-}"; shift || true
+
+cache="${SUPERKERNEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/superkernel}"
+mkdir -p "$cache"
+log() { printf '[run.sh] %s\n' "$*" >&2; }
+
+debian_packages=(build-essential cmake ninja-build ccache python3-venv python3-dev
+                 libopenmpi-dev openmpi-bin iproute2 redis-server procps)
+ensure_debian() {
+  command -v dpkg-query >/dev/null || return 0
+  local missing=()
+  for p in "${debian_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" -ne 0 ]; then
+    log "missing Debian packages (not root, so not installing): ${missing[*]}"; return 0
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+python_bin="${SUPERKERNEL_PYTHON:-$(command -v python3)}"
+key="$("$python_bin" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-$(sha256sum "$here/requirements.txt" | cut -c1-12)"
+venv="$cache/venv-$key"
+ensure_venv() {
+  if [ ! -f "$venv/.complete" ]; then
+    log "creating virtual environment $venv (pinned by requirements.txt)"
+    rm -rf "$venv"
+    "$python_bin" -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+    "$venv/bin/pip" install -q -r "$here/requirements.txt"
+    touch "$venv/.complete"
+  fi
+  export PATH="$venv/bin:$PATH"
+  export VIRTUAL_ENV="$venv"
+}
+
+build() {
+  export CCACHE_DIR="${CCACHE_DIR:-$cache/ccache}"
+  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+  log "building superkernel (incremental; build/ in the checkout, ccache in $CCACHE_DIR)"
+  (cd "$here" && pip install -q --no-build-isolation --no-deps .)
+  python -c "import superkernel" || { log "superkernel failed to import after the build"; exit 1; }
+}
+
+ensure_debian
+ensure_venv
+case "$cmd" in
+  example)
+    build
+    exec python -m superkernel.example "$@"
+    ;;
+  test)
+    build
+    cd "$here"
+    set +e
+    python -m pytest "$@"
+    rc=$?
+    set -e
+    if [ $rc -eq 5 ]; then log "pytest collected no tests: failing"; exit 1; fi
+    exit $rc
+    ;;
+  env)
+    exec "$@"
+    ;;
+  *)
+    echo "usage: bash run.sh example | test [pytest args] | env CMD..." >&2; exit 2 ;;
+esac
