@@ -1,0 +1,211 @@
+"""Presentation of collective benchmark results: OSU-style tables and a PNG plot.
+
+Pure functions over the JSON document that ``bench/collectives.py`` writes, so a saved result can be
+re-printed or re-plotted later:
+
+    python bench/report.py bench/results/collectives-2r-mpirun-20261122-050000.json [--plot out.png]
+
+Conventions (nccl-tests, "PERFORMANCE.md"):
+- size: bytes of the larger buffer of the operation (allreduce/broadcast: the buffer; allgather: the gathered
+  output; reduce_scatter: the input that is scattered; all_to_all: the per-rank send buffer).
+- latency: average time per iteration on each rank, then the maximum over ranks (the slowest rank).
+- algbw = size / latency; busbw = algbw * factor with factor allreduce 2(n-1)/n, allgather, reduce_scatter
+  and all_to_all (n-1)/n, broadcast 1. GB/s means 1e9 bytes per second.
+- ratio a/b = latency of b / latency of a: how many times faster backend a is than b (> 1: a is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+BACKEND_ORDER = ("mk", "gloo", "mpi")
+SIZED_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all")
+ALL_OPS = SIZED_OPS + ("barrier",)
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor."""
+    n = world_size
+    if op == "allreduce":
+        return 2.0 * (n - 1) / n
+    if op in ("allgather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    if op == "barrier":
+        return 0.0
+    raise ValueError(f"bus_factor: unknown op {op!r}")
+
+
+def format_size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def _ratio(subject: dict[str, Any] | None, baseline: dict[str, Any] | None) -> str:
+    if subject is None or baseline is None or subject["lat_us"] <= 0:
+        return "-"
+    return f"{baseline['lat_us'] / subject['lat_us']:.3g}x"
+
+
+def ratio_pairs(backends: Sequence[str]) -> list[tuple[str, str]]:
+    """(subject, baseline) pairs shown as ratio columns: mk against every baseline, else the first available
+    backend against the others (so a run without mk still compares Gloo with MPI)."""
+    if not backends:
+        return []
+    subject = backends[0]
+    return [(subject, other) for other in backends[1:]]
+
+
+def format_op_table(doc: dict[str, Any], op: str) -> str:
+    """One OSU-style block for ``op``: a header, then one row per size (barrier: one row)."""
+    meta = doc["meta"]
+    backends = available_backends(doc)
+    rows = [r for r in doc["results"] if r["op"] == op]
+    by_key = {(r["backend"], r["bytes"]): r for r in rows}
+    sizes = sorted({r["bytes"] for r in rows})
+    pairs = ratio_pairs(backends)
+    n = meta["world_size"]
+    lines = [f"# {op}  ({meta['dtype']}, {n} ranks, {meta.get('hosts_desc', '')}; "
+             f"avg latency per iteration, max over ranks; busbw factor {bus_factor(op, n):.3g})"]
+    head = f"{'size':>10} "
+    sub = f"{'':>10} "
+    for b in backends:
+        if op == "barrier":
+            head += f"| {b:^12} "
+            sub += f"| {'lat(us)':>12} "
+        else:
+            head += f"| {b:^32} "
+            sub += f"| {'lat(us)':>12} {'algbw':>9} {'busbw':>9} "
+    for s, o in pairs:
+        head += f"| {s + '/' + o:>9} "
+        sub += f"| {'(faster)':>9} "
+    lines += [head.rstrip(), sub.rstrip()]
+    for size in sizes:
+        line = f"{format_size(size) if op != 'barrier' else '-':>10} "
+        for b in backends:
+            r = by_key.get((b, size))
+            flag = "" if r is None or r.get("check", "ok") == "ok" else "!"
+            if op == "barrier":
+                line += f"| {_lat(r) + flag:>12} "
+            else:
+                line += (f"| {_lat(r) + flag:>12} {_bw(r, 'algbw_GBps'):>9} {_bw(r, 'busbw_GBps'):>9} ")
+        for s, o in pairs:
+            line += f"| {_ratio(by_key.get((s, size)), by_key.get((o, size))):>9} "
+        lines.append(line.rstrip())
+    failed = [r for r in rows if r.get("check", "ok") != "ok"]
+    for r in failed:
+        lines.append(f"# ! {r['backend']} {op} {r['bytes']} B: wrong result: {r['check']}")
+    return "\n".join(lines)
+
+
+def _lat(r: dict[str, Any] | None) -> str:
+    return "-" if r is None else f"{r['lat_us']:.2f}"
+
+
+def _bw(r: dict[str, Any] | None, key: str) -> str:
+    return "-" if r is None else f"{r[key]:.3f}"
+
+
+def available_backends(doc: dict[str, Any]) -> list[str]:
+    info = doc["meta"]["backends"]
+    return [b for b in BACKEND_ORDER if info.get(b, {}).get("available")]
+
+
+def format_header(doc: dict[str, Any]) -> str:
+    meta = doc["meta"]
+    lines = [f"# superkernel collectives benchmark: {meta['world_size']} ranks "
+             f"({meta.get('hosts_desc', '')}), launcher {meta['launcher']}, dtype {meta['dtype']}, "
+             f"torch {meta.get('torch_version', '?')}"]
+    for b in BACKEND_ORDER:
+        info = meta["backends"].get(b, {"available": False, "reason": "not requested"})
+        if info.get("available"):
+            lines.append(f"#   {b:5}: {info.get('detail', 'available')}")
+        else:
+            lines.append(f"#   {b:5}: unavailable ({info.get('reason', '?')})")
+    mc = meta.get("memcpy")
+    if mc:
+        lines.append(f"#   memcpy (single thread, {format_size(mc['bytes'])}, rank 0): "
+                     f"{mc['best_GBps']:.2f} GB/s best, {mc['median_GBps']:.2f} GB/s median "
+                     f"-- ceiling of one rank's shm copy")
+    lines.append("#   ratio a/b = latency(b)/latency(a): how many times faster a is; '!' marks a wrong result")
+    return "\n".join(lines)
+
+
+def format_report(doc: dict[str, Any], ops: Iterable[str] | None = None) -> str:
+    present = {r["op"] for r in doc["results"]}
+    chosen = [op for op in (ops or ALL_OPS) if op in present]
+    return "\n\n".join([format_header(doc)] + [format_op_table(doc, op) for op in chosen])
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Latency (top) and bus bandwidth (bottom) against size, one column per sized op, one line per backend;
+    the memcpy bandwidth is drawn as a dashed ceiling in the bandwidth panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in SIZED_OPS if any(r["op"] == op for r in doc["results"])]
+    if not ops:
+        return
+    backends = available_backends(doc)
+    fig, axes = plt.subplots(2, len(ops), figsize=(4.2 * len(ops), 7.5), squeeze=False)
+    memcpy = doc["meta"].get("memcpy")
+    for col, op in enumerate(ops):
+        lat_ax, bw_ax = axes[0][col], axes[1][col]
+        for b in backends:
+            rows = sorted((r for r in doc["results"] if r["op"] == op and r["backend"] == b),
+                          key=lambda r: r["bytes"])
+            if not rows:
+                continue
+            xs = [r["bytes"] for r in rows]
+            lat_ax.plot(xs, [r["lat_us"] for r in rows], marker="o", markersize=3, label=b)
+            bw_ax.plot(xs, [r["busbw_GBps"] for r in rows], marker="o", markersize=3, label=b)
+        lat_ax.set_title(op)
+        lat_ax.set_xscale("log", base=2)
+        lat_ax.set_yscale("log")
+        lat_ax.set_ylabel("latency (us)")
+        bw_ax.set_xscale("log", base=2)
+        bw_ax.set_ylabel("bus bandwidth (GB/s)")
+        bw_ax.set_xlabel("size (bytes)")
+        if memcpy:
+            bw_ax.axhline(memcpy["best_GBps"], linestyle="--", color="grey", linewidth=1, label="memcpy")
+        for ax in (lat_ax, bw_ax):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    barrier = {r["backend"]: r["lat_us"] for r in doc["results"] if r["op"] == "barrier"}
+    meta = doc["meta"]
+    title = (f"{meta['world_size']} ranks ({meta.get('hosts_desc', '')}), {meta['dtype']}, "
+             f"launcher {meta['launcher']}")
+    if barrier:
+        title += "; barrier " + ", ".join(f"{b} {barrier[b]:.1f} us" for b in backends if b in barrier)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Re-print (and re-plot) a saved collectives benchmark.")
+    parser.add_argument("json_path")
+    parser.add_argument("--plot", metavar="PNG", help="also write the plot to this path")
+    args = parser.parse_args()
+    with open(args.json_path, encoding="utf-8") as f:
+        doc = json.load(f)
+    print(format_report(doc))
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"# plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["bus_factor", "format_report", "format_op_table", "plot", "format_size", "ALL_OPS", "SIZED_OPS",
+           "BACKEND_ORDER"]
