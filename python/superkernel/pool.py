@@ -1,0 +1,423 @@
+"""Launches and supervises the rank pool: torchrun (torch flavour), mpirun (MPI flavour) or plain processes.
+
+A :class:`Pool` owns the kernel end of the channels and one dispatcher thread which
+
+* receives every worker event, handles ``hello`` and ``heartbeat`` itself and hands the rest to the
+  listener (the kernel);
+* watches processes: the launcher (our child) and, for a local pool, every worker pid, so a rank that
+  dies is reported within a few hundred milliseconds with its signal or exit code (read from the
+  launcher's own failure report: torchrun's ``failed (exitcode: -9) local_rank: 1 (pid: ...)`` or
+  mpirun's ``... exited on signal 9``); for remote ranks a missing heartbeat does the same, more slowly;
+* calls the listener's ``on_tick`` every few tens of milliseconds (live output merging).
+
+Workers run in their own sessions (torchrun does that; plain workers get ``start_new_session``), so a
+SIGINT to the kernel's process group never reaches them. ``close()`` asks the ranks to exit, then
+escalates SIGTERM -> SIGKILL over the whole process tree; nothing is left behind.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import psutil
+
+from superkernel.protocol import Event, KernelChannels
+
+log = logging.getLogger("superkernel.pool")
+
+HEARTBEAT_TIMEOUT = 10.0
+TICK = 0.025
+
+
+@dataclass
+class PoolSpec:
+    flavor: str = "torch"            # torch | mpi | plain
+    nranks: int = 2
+    backend: str | None = None      # SUPERKERNEL_BACKEND for the workers (torch flavour)
+    launcher_args: list[str] = field(default_factory=list)  # extra torchrun/mpirun arguments
+    bind_ip: str = "127.0.0.1"
+    start_timeout: float = 180.0
+
+    @property
+    def local(self) -> bool:
+        return self.bind_ip.startswith("127.")
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    pid: int
+    host: str
+    local_rank: int
+    world_size: int
+    backend: str
+    device: str
+    last_beat: float = 0.0
+    busy: bool = False
+
+
+@dataclass
+class Death:
+    rank: int
+    pid: int
+    host: str
+    exitcode: int | None      # negative: killed by signal -exitcode
+    detail: str = ""
+
+    def describe(self) -> str:
+        if self.exitcode is None:
+            how = self.detail or "exited (exit status not reported by the launcher)"
+        elif self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            how = f"was killed by signal {-self.exitcode} ({name})"
+        else:
+            how = f"exited with code {self.exitcode}"
+        return f"rank {self.rank} (pid {self.pid} on {self.host}) {how}"
+
+
+class PoolListener(Protocol):
+    def on_event(self, event: Event) -> None: ...
+    def on_death(self, deaths: list[Death]) -> None: ...
+    def on_tick(self) -> None: ...
+
+
+class PoolStartError(RuntimeError):
+    pass
+
+
+_TORCHRUN_FAIL = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_TORCHRUN_SIGNAL = re.compile(r"Signal (\d+) \(\w+\) received by PID (\d+)")
+_MPI_SIGNAL = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited on\s+signal (\d+)")
+_MPI_EXIT = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited .*?status (\d+)", re.S)
+
+
+def _set_pdeathsig() -> None:
+    """Child side of Popen: die with the kernel (PR_SET_PDEATHSIG) so a killed kernel leaves no pool."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Pool:
+    def __init__(self, spec: PoolSpec, listener: PoolListener) -> None:
+        self.spec = spec
+        self.listener = listener
+        self.channels = KernelChannels(bind_ip=spec.bind_ip)
+        self.ranks: dict[int, RankInfo] = {}
+        self.dead: dict[int, Death] = {}
+        self.ready = threading.Event()
+        self.failed: str | None = None
+        self.started_at = 0.0
+        self.ready_at = 0.0
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._launcher_output: collections.deque[str] = collections.deque(maxlen=200)
+        self._exit_codes: dict[int, int] = {}   # pid -> exit code, from the launcher's report
+        self._stop = threading.Event()
+        self._closing = False
+        self._dir = tempfile.mkdtemp(prefix="superkernel-pool-")
+        self._conn_file = os.path.join(self._dir, "connection.json")
+        self.channels.info.write(self._conn_file)
+        self._thread = threading.Thread(target=self._dispatch_loop, name="superkernel-pool", daemon=True)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------- start
+    def worker_command(self) -> list[str]:
+        return [sys.executable, "-m", "superkernel.worker", "--connection-file", self._conn_file,
+                "--flavor", self.spec.flavor]
+
+    def launch_commands(self) -> list[list[str]]:
+        n = self.spec.nranks
+        if self.spec.flavor == "torch":
+            return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                     "--monitor-interval=0.1", *self.spec.launcher_args, "-m", "superkernel.worker",
+                     "--connection-file", self._conn_file, "--flavor", "torch"]]
+        if self.spec.flavor == "mpi":
+            mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+            if mpirun is None:
+                raise PoolStartError("the MPI flavour needs mpirun (Debian: apt-get install openmpi-bin)")
+            root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+            return [[mpirun, *root, "--oversubscribe", "--bind-to", "none", "-np", str(n),
+                     *self.spec.launcher_args, *self.worker_command()]]
+        if self.spec.flavor == "plain":
+            return [self.worker_command() for _ in range(n)]
+        raise PoolStartError(f"unknown pool flavour {self.spec.flavor!r} (torch|mpi|plain)")
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env["SUPERKERNEL_FRONTEND"] = "1"   # the worker module imports cleanly; it loads the backend itself
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if self.spec.backend:
+            env["SUPERKERNEL_BACKEND"] = self.spec.backend
+        for k in ("PYTEST_CURRENT_TEST", "JPY_PARENT_PID", "MPLBACKEND"):
+            env.pop(k, None)
+        env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+        if self.spec.flavor == "mpi" and os.geteuid() == 0:
+            env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        self.started_at = time.monotonic()
+        for i, cmd in enumerate(self.launch_commands()):
+            penv = env
+            if self.spec.flavor == "plain":
+                penv = dict(env, RANK=str(i), WORLD_SIZE=str(self.spec.nranks), LOCAL_RANK=str(i))
+            log.info("starting pool: %s", " ".join(cmd))
+            proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_set_pdeathsig)
+            self._procs.append(proc)
+            threading.Thread(target=self._read_launcher, args=(proc,), daemon=True,
+                             name=f"superkernel-launcher-{proc.pid}").start()
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> None:
+        """Block until every rank said hello; raise PoolStartError with the launcher's output otherwise."""
+        deadline = time.monotonic() + (timeout or self.spec.start_timeout)
+        seen = -1
+        while not self.ready.wait(0.05):
+            if progress and len(self.ranks) != seen:
+                seen = len(self.ranks)
+                progress(seen, self.spec.nranks)
+            if self.failed:
+                raise PoolStartError(self.failed)
+            if time.monotonic() > deadline:
+                raise PoolStartError(f"pool did not start within {timeout or self.spec.start_timeout:.0f} s; "
+                                     f"{len(self.ranks)}/{self.spec.nranks} ranks ready.\n" + self.launcher_tail())
+        if progress:
+            progress(self.spec.nranks, self.spec.nranks)
+
+    def launcher_tail(self, n: int = 30) -> str:
+        return "\n".join(list(self._launcher_output)[-n:])
+
+    # ---------------------------------------------------------------------------------------- requests
+    def send(self, rank: int, msg_type: str, content: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return self.channels.send(rank, msg_type, content, **kw)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.nranks
+
+    def alive_ranks(self) -> list[int]:
+        return [r for r in range(self.spec.nranks) if r not in self.dead]
+
+    def signal_ranks(self, ranks: list[int], sig: int) -> None:
+        for r in ranks:
+            info = self.ranks.get(r)
+            if info is None or not self.spec.local:
+                continue
+            try:
+                os.kill(info.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    # ------------------------------------------------------------------------------------- supervision
+    def _read_launcher(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self._launcher_output.append(line)
+            log.debug("[launcher] %s", line)
+            m = _TORCHRUN_FAIL.search(line)
+            if m:
+                self._exit_codes[int(m.group(3))] = int(m.group(1))
+            m = _TORCHRUN_SIGNAL.search(line)
+            if m:
+                self._exit_codes.setdefault(int(m.group(2)), -int(m.group(1)))
+            m = _MPI_SIGNAL.search(line)
+            if m:
+                self._exit_codes[int(m.group(2))] = -int(m.group(3))
+
+    def _dispatch_loop(self) -> None:
+        next_check = 0.0
+        while not self._stop.is_set():
+            try:
+                ev = self.channels.recv(TICK)
+                while ev is not None:
+                    self._handle(ev)
+                    ev = self.channels.recv_nowait()
+            except Exception:
+                if self._stop.is_set():
+                    return
+                log.exception("pool dispatcher: receiving failed")
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.1
+                try:
+                    self._check_processes(now)
+                except Exception:
+                    log.exception("pool dispatcher: process check failed")
+            try:
+                self.listener.on_tick()
+            except Exception:
+                log.exception("pool dispatcher: listener tick failed")
+
+    def _handle(self, ev: Event) -> None:
+        kind = ev.msg_type
+        if kind == "hello":
+            c = ev.msg["content"]
+            if c.get("pool_id") != self.channels.pool_id:
+                log.warning("hello from rank %d of another pool ignored", ev.rank)
+                return
+            self.ranks[ev.rank] = RankInfo(ev.rank, c["pid"], c["host"], c["local_rank"], c["world_size"],
+                                           c["backend"], c["device"], last_beat=time.monotonic())
+            log.info("rank %d ready: pid %d on %s, %s", ev.rank, c["pid"], c["host"], c["backend"])
+            if len(self.ranks) == self.spec.nranks:
+                self.ready_at = time.monotonic()
+                self.ready.set()
+            return
+        info = self.ranks.get(ev.rank)
+        if info is not None:
+            info.last_beat = time.monotonic()
+        if kind == "heartbeat":
+            if info is not None:
+                info.busy = bool(ev.msg["content"].get("busy"))
+            return
+        self.listener.on_event(ev)
+
+    def _check_processes(self, now: float) -> None:
+        if self._closing:
+            return
+        if not self.ready.is_set():
+            for proc in self._procs:
+                if proc.poll() is not None and not self.failed:
+                    time.sleep(0.2)  # let the reader thread collect the last lines
+                    self.failed = (f"pool launcher exited with code {proc.returncode} before all ranks started "
+                                   f"({len(self.ranks)}/{self.spec.nranks} ready):\n" + self.launcher_tail())
+            return
+        gone: list[RankInfo] = []
+        for r, info in self.ranks.items():
+            if r in self.dead:
+                continue
+            if self.spec.local:
+                if not _pid_alive(info.pid):
+                    gone.append(info)
+            elif now - info.last_beat > HEARTBEAT_TIMEOUT:
+                gone.append(info)
+        if not gone:
+            return
+        # give the launcher a moment to report how the rank(s) ended
+        deadline = time.monotonic() + 0.8
+        while time.monotonic() < deadline and any(g.pid not in self._exit_codes for g in gone):
+            code = self._plain_exit_code(gone)
+            if code:
+                break
+            time.sleep(0.02)
+        self._plain_exit_code(gone)
+        deaths = []
+        for g in gone:
+            code = self._exit_codes.get(g.pid)
+            detail = "" if code is not None or self.spec.local else f"no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s"
+            d = Death(g.rank, g.pid, g.host, code, detail)
+            self.dead[g.rank] = d
+            deaths.append(d)
+        self.listener.on_death(deaths)
+
+    def _plain_exit_code(self, gone: list[RankInfo]) -> bool:
+        """Plain workers are our children: their exit status is exact."""
+        found = False
+        for proc in self._procs:
+            if proc.poll() is not None and any(g.pid == proc.pid for g in gone):
+                self._exit_codes[proc.pid] = proc.returncode
+                found = True
+        return found
+
+    # ---------------------------------------------------------------------------------------- teardown
+    def process_tree(self) -> list[psutil.Process]:
+        procs: list[psutil.Process] = []
+        for p in self._procs:
+            try:
+                root = psutil.Process(p.pid)
+                procs.append(root)
+                procs.extend(root.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        pids = {p.pid for p in procs}
+        for info in self.ranks.values():
+            if info.pid not in pids and self.spec.local:
+                try:
+                    procs.append(psutil.Process(info.pid))
+                except psutil.NoSuchProcess:
+                    pass
+        return procs
+
+    def close(self, grace: float = 3.0) -> None:
+        """Ask every rank to exit, then SIGTERM and SIGKILL whatever is left of the process tree."""
+        self._closing = True
+        tree = self.process_tree()
+        for r in list(self.ranks):
+            if r in self.dead:
+                continue
+            try:
+                self.channels.send(r, "shutdown_request", {}, timeout=0.2)
+            except Exception:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
+            time.sleep(0.02)
+        for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
+            alive = [p for p in tree if _proc_alive(p)]
+            if not alive:
+                break
+            for p in alive:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(alive, timeout=wait)
+        for p in self._procs:
+            try:
+                p.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)
+        self.channels.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _proc_alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def default_nranks() -> int:
+    """One rank per GPU, else 2 CPU ranks (the kernel never imports torch to count GPUs)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=5)
+        n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        if n:
+            return n
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return 2
+
+
+def hostname() -> str:
+    return socket.gethostname()

@@ -1,0 +1,403 @@
+"""One worker per rank: an IPython shell whose output goes, signed, to the kernel.
+
+Launched by the pool (``torchrun ... -m superkernel.worker --connection-file F --flavor torch``, or under
+``mpirun``). Threads:
+
+* main thread: initialises the rank (``torch.distributed`` / MPI), then runs requests from a queue
+  (execute, complete, inspect, push, pull) in an IPython ``InteractiveShell``.
+* control thread: the only reader of the request socket. It queues work for the main thread, and acts at
+  once on ``interrupt`` (KeyboardInterrupt in the main thread) and ``shutdown``, even while a cell runs.
+  It also sends heartbeats and exits the rank when the kernel process is gone.
+* ipykernel's IOPub thread: sends everything (streams, displays, replies) on the PUSH socket, in order.
+
+Output is captured at the file-descriptor level with ipykernel's ``OutStream(watchfd=...)``, so C-level
+output and ``!cmd`` are captured too.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import struct
+import sys
+import termios
+import threading
+import time
+from typing import Any
+
+from superkernel.protocol import ConnectionInfo, WorkerChannels
+
+log = logging.getLogger("superkernel.worker")
+
+HEARTBEAT_INTERVAL = 0.5
+STREAM_FLUSH_INTERVAL = 0.03
+
+
+# ---------------------------------------------------------------------------------------------- rank setup
+
+
+def rank_environment(flavor: str) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the launcher's environment: torchrun, Open MPI, or Slurm."""
+    env = os.environ
+    for r, w, lr in (
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ):
+        if r in env and w in env:
+            return int(env[r]), int(env[w]), int(env.get(lr, env[r]))
+    return 0, 1, 0
+
+
+def choose_backend() -> tuple[str, str]:
+    """The torch.distributed backend string and a note on why it was chosen.
+
+    ``SUPERKERNEL_BACKEND`` wins. Otherwise ``mk`` when ``import superkernel.backend`` registers it, else
+    gloo (with nccl for CUDA tensors when a GPU is present).
+    """
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    forced = os.environ.get("SUPERKERNEL_BACKEND")
+    if forced:
+        if "mk" in forced:
+            _register_mk()
+        return forced, "from SUPERKERNEL_BACKEND"
+    why = _register_mk()
+    if "mk" in dist.Backend.backend_list:
+        return ("cpu:mk,cuda:nccl" if cuda else "mk"), "mk backend available"
+    return ("cpu:gloo,cuda:nccl" if cuda else "gloo"), f"mk backend not available ({why}); using gloo"
+
+
+def _register_mk() -> str:
+    try:
+        from superkernel.backend import register_backend
+
+        register_backend()
+        return "registered"
+    except Exception as e:  # the C++ extension may be missing in a development tree
+        return f"{type(e).__name__}: {e}"
+
+
+def init_torch(rank: int, world_size: int, local_rank: int) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    backend, why = choose_backend()
+    timeout = timedelta(seconds=float(os.environ.get("SUPERKERNEL_DIST_TIMEOUT", "1800")))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    ns: dict[str, Any] = {
+        "torch": torch,
+        "dist": dist,
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world_size,
+        "device": device,
+    }
+    try:
+        import superkernel.ops as mk_ops  # type: ignore[import-not-found]
+
+        ns["mk"] = mk_ops
+    except Exception:
+        pass
+    log.info("rank %d: torch.distributed backend %s (%s)", rank, backend, why)
+    ns["__superkernel_backend__"] = f"{backend} ({why})"
+    return ns
+
+
+def init_mpi() -> dict[str, Any]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return {
+        "MPI": MPI,
+        "comm": comm,
+        "rank": comm.Get_rank(),
+        "size": comm.Get_size(),
+        "world_size": comm.Get_size(),
+        "__superkernel_backend__": f"MPI ({MPI.Get_library_version().splitlines()[0].strip()})",
+    }
+
+
+# ------------------------------------------------------------------------------------------------- worker
+
+
+class Worker:
+    def __init__(self, info: ConnectionInfo, flavor: str) -> None:
+        self.flavor = flavor
+        self.rank, self.world_size, self.local_rank = rank_environment(flavor)
+        if flavor == "torch":
+            self.namespace = init_torch(self.rank, self.world_size, self.local_rank)
+        elif flavor == "mpi":
+            self.namespace = init_mpi()
+            self.rank, self.world_size = self.namespace["rank"], self.namespace["size"]
+        else:
+            self.namespace = {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank}
+        os.environ.pop("SUPERKERNEL_FRONTEND", None)  # user code in the rank gets the full package
+        self.info = info
+        self.channels = WorkerChannels(info, self.rank)
+        self.session = self.channels.session
+        self.work: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.busy = threading.Event()
+        self.stopping = threading.Event()
+        self._main_ident = threading.get_ident()
+        self._start_io()
+        self._start_shell()
+
+    # -- output capture (ipykernel's machinery) --
+    def _start_io(self) -> None:
+        from ipykernel.iostream import IOPubThread, OutStream
+
+        self.pub = IOPubThread(self.channels.push)
+        self.pub.start()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.stdout = OutStream(self.session, self.pub, "stdout", watchfd="force")
+        self.stderr = OutStream(self.session, self.pub, "stderr", watchfd="force")
+        for s in (self.stdout, self.stderr):
+            s.flush_interval = STREAM_FLUSH_INTERVAL
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+
+    def _start_shell(self) -> None:
+        from superkernel.rank_shell import RankShell
+
+        self.shell = RankShell.instance(user_ns=dict(self.namespace))
+        self.shell.worker = self
+        dh = self.shell.displayhook
+        dh.session, dh.pub_socket, dh.topic = self.session, self.pub, b"execute_result"
+        dp = self.shell.display_pub
+        dp.session, dp.pub_socket, dp.topic = self.session, self.pub, b"display_data"
+        from superkernel.magics import rank_side
+
+        rank_side.register(self.shell)
+
+    # -- sending --
+    def send(self, msg_type: str, content: dict[str, Any], parent: dict[str, Any] | None = None,
+             buffers: list[bytes] | None = None) -> None:
+        self.session.send(self.pub, msg_type, content, parent=parent or {}, buffers=buffers)
+
+    def hello(self) -> None:
+        import platform
+
+        self.send("hello", {
+            "rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
+            "pid": os.getpid(), "host": socket.gethostname(), "flavor": self.flavor,
+            "backend": self.namespace.get("__superkernel_backend__", ""),
+            "device": str(self.namespace.get("device", "cpu")), "python": platform.python_version(),
+            "pool_id": self.info.pool_id,
+        })
+
+    # -- control thread --
+    def control_loop(self) -> None:
+        last_beat = 0.0
+        while not self.stopping.is_set():
+            msg = self.channels.recv_request(timeout=0.1)
+            now = time.monotonic()
+            if now - last_beat > HEARTBEAT_INTERVAL:
+                last_beat = now
+                self.send("heartbeat", {"busy": self.busy.is_set()})
+                if not self._kernel_alive():
+                    log.error("rank %d: kernel process %d is gone; exiting", self.rank, self.info.kernel_pid)
+                    os._exit(3)
+            if msg is None:
+                continue
+            kind = msg["header"]["msg_type"]
+            if kind == "interrupt_request":
+                self.interrupt()
+            elif kind == "shutdown_request":
+                self.stopping.set()
+                self.work.put(None)
+                if self.busy.is_set():
+                    self.interrupt()
+                    threading.Timer(2.0, lambda: os._exit(0)).start()
+            else:
+                self.work.put(msg)
+
+    def interrupt(self) -> None:
+        if self.busy.is_set():
+            signal.pthread_kill(self._main_ident, signal.SIGINT)
+
+    def _kernel_alive(self) -> bool:
+        if self.info.kernel_host != socket.gethostname():
+            return True
+        try:
+            os.kill(self.info.kernel_pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    # -- main thread --
+    def serve(self) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        threading.Thread(target=self.control_loop, name="superkernel-control", daemon=True).start()
+        self.hello()
+        handlers = {
+            "execute_request": self.do_execute,
+            "complete_request": self.do_complete,
+            "inspect_request": self.do_inspect,
+            "push_request": self.do_push,
+            "pull_request": self.do_pull,
+        }
+        while True:
+            try:
+                msg = self.work.get()
+                if msg is None:
+                    break
+                handler = handlers.get(msg["header"]["msg_type"])
+                if handler is None:
+                    self.send("log", {"text": f"unknown request {msg['header']['msg_type']}"}, msg)
+                    continue
+                handler(msg)
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived between cells
+        self.flush()
+        self.pub.stop()
+
+    def flush(self) -> None:
+        """Send everything this rank printed so far, including fd-level output still in the pipes."""
+        deadline = time.monotonic() + 0.2
+        for s in (self.stdout, self.stderr):
+            fid = getattr(s, "_fid", None)
+            while fid is not None and time.monotonic() < deadline and _bytes_waiting(fid) > 0:
+                time.sleep(0.001)
+        self.stdout.flush()
+        self.stderr.flush()
+
+    def do_execute(self, msg: dict[str, Any]) -> None:
+        c = msg["content"]
+        shell = self.shell
+        shell.set_parent(msg)
+        if c.get("execution_count"):
+            shell.execution_count = int(c["execution_count"])
+        shell.last_error = None
+        self.busy.set()
+        try:
+            result = shell.run_cell(c["code"], store_history=c.get("store_history", True),
+                                    silent=c.get("silent", False))
+        except KeyboardInterrupt:  # raised outside the user's code (e.g. in a hook)
+            result = None
+            shell.last_error = {"ename": "KeyboardInterrupt", "evalue": "", "traceback": ["KeyboardInterrupt"]}
+        finally:
+            self.busy.clear()
+        try:
+            self.flush()
+        except KeyboardInterrupt:
+            self.flush()
+        reply: dict[str, Any] = {"execution_count": c.get("execution_count") or shell.execution_count - 1}
+        err = shell.last_error
+        if err is None and result is not None and not result.success:
+            e = result.error_in_exec or result.error_before_exec
+            err = {"ename": type(e).__name__, "evalue": str(e), "traceback": shell._last_traceback or []}
+        if err is not None:
+            reply.update(status="error", **err)
+        else:
+            reply["status"] = "ok"
+            reply["user_expressions"] = shell.user_expressions(c.get("user_expressions") or {})
+        reply["payload"] = shell.payload_manager.read_payload()
+        shell.payload_manager.clear_payload()
+        self.send("execute_reply", reply, msg)
+
+    def do_complete(self, msg: dict[str, Any]) -> None:
+        from IPython.utils.tokenutil import line_at_cursor
+
+        code, pos = msg["content"]["code"], msg["content"].get("cursor_pos")
+        pos = len(code) if pos is None else pos
+        line, offset = line_at_cursor(code, pos)
+        txt, matches = self.shell.complete("", line, pos - offset)
+        self.send("complete_reply", {"status": "ok", "matches": matches, "cursor_end": pos,
+                                     "cursor_start": pos - len(txt), "metadata": {}}, msg)
+
+    def do_inspect(self, msg: dict[str, Any]) -> None:
+        from IPython.utils.tokenutil import token_at_cursor
+
+        c = msg["content"]
+        name = token_at_cursor(c["code"], c.get("cursor_pos", len(c["code"])))
+        reply: dict[str, Any] = {"status": "ok", "data": {}, "metadata": {}, "found": False}
+        try:
+            reply["data"] = self.shell.object_inspect_mime(name, detail_level=c.get("detail_level", 0))
+            reply["data"].pop("text/html", None)
+            reply["found"] = True
+        except KeyError:
+            pass
+        self.send("inspect_reply", reply, msg)
+
+    def do_push(self, msg: dict[str, Any]) -> None:
+        try:
+            value = pickle.loads(msg["buffers"][0])
+            self.shell.user_ns[msg["content"]["name"]] = value
+            self.send("push_reply", {"status": "ok"}, msg)
+        except Exception as e:
+            self.send("push_reply", {"status": "error", "ename": type(e).__name__, "evalue": str(e)}, msg)
+
+    def do_pull(self, msg: dict[str, Any]) -> None:
+        name = msg["content"]["name"]
+        try:
+            value = eval(name, self.shell.user_global_ns, self.shell.user_ns)  # an expression is fine too
+            data = pickle.dumps(_without_torch(value), protocol=5)
+            self.send("pull_reply", {"status": "ok"}, msg, buffers=[data])
+        except Exception as e:
+            self.send("pull_reply", {"status": "error", "ename": type(e).__name__, "evalue": str(e)}, msg)
+
+
+def _without_torch(value: Any) -> Any:
+    """Tensors travel as numpy arrays, so the kernel process never needs torch to unpickle them."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_torch(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _without_torch(v) for k, v in value.items()}
+    return value
+
+
+def _bytes_waiting(fd: int) -> int:
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m superkernel.worker")
+    p.add_argument("--connection-file", required=True)
+    p.add_argument("--flavor", choices=["torch", "mpi", "plain"], default="torch")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("SUPERKERNEL_LOG_LEVEL", "INFO"),
+                        format="[superkernel worker %(process)d] %(levelname)s %(message)s", stream=sys.__stderr__)
+    info = ConnectionInfo.read(args.connection_file)
+    worker = Worker(info, args.flavor)
+    try:
+        worker.serve()
+    finally:
+        if args.flavor == "torch":
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:
+                    pass
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
