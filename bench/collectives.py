@@ -377,6 +377,16 @@ def _rank_stats(value: float) -> tuple[float, float, float]:
     return mx[0].item(), -mx[1].item(), total[0].item() / dist.get_world_size()
 
 
+def _median_of_slowest(stamps: list[float]) -> float:
+    """Median over iterations of the slowest rank's duration of each iteration (tails show in avg vs p50)."""
+    import torch
+    import torch.distributed as dist
+
+    durations = torch.tensor(stamps, dtype=torch.float64).diff()
+    dist.all_reduce(durations, op=dist.ReduceOp.MAX)
+    return durations.median().item()
+
+
 def measure(case: Case, backend: Backend, budget: Budget) -> dict[str, Any]:
     check = case.check()
     check_all = "ok" if _all_agree(check == "ok") else (check if check != "ok" else "wrong on another rank")
@@ -390,12 +400,17 @@ def measure(case: Case, backend: Backend, budget: Budget) -> dict[str, Any]:
     for _ in range(warmup):
         case.run()
     backend.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    stamps = [0.0] * (iters + 1)
+    clock = time.perf_counter
+    stamps[0] = clock()
+    for i in range(iters):
         case.run()
-    per_iter = (time.perf_counter() - t0) / iters
+        stamps[i + 1] = clock()
+    per_iter = (stamps[-1] - stamps[0]) / iters
     mx, mn, mean = _rank_stats(per_iter)
+    p50 = _median_of_slowest(stamps)
     return {"iters": iters, "warmup": warmup + 2, "lat_us": mx * 1e6, "lat_us_min_rank": mn * 1e6,
+            "lat_us_p50": p50 * 1e6,
             "lat_us_mean_rank": mean * 1e6, "check": check_all}
 
 
@@ -442,6 +457,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="file name tag (default: <n>r-<launcher>-<date>)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-memcpy", action="store_true", help="skip the memcpy bandwidth measurement")
+    p.add_argument("--p50", action="store_true", help="also show the median latency (p50) column")
     p.add_argument("--hosts-desc", default="", help="free text describing the placement, for the header")
     args = p.parse_args(argv)
     if args.time is None:
@@ -513,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n)})
                 del case
         if rank == 0:
-            print("\n" + format_op_table(doc, op), flush=True)
+            print("\n" + format_op_table(doc, op, args.p50), flush=True)
     if rank == 0:
         write_outputs(doc, args, launch)
     dist.barrier()

@@ -9,6 +9,8 @@ Conventions (nccl-tests, "PERFORMANCE.md"):
 - size: bytes of the larger buffer of the operation (allreduce/broadcast: the buffer; allgather: the gathered
   output; reduce_scatter: the input that is scattered; all_to_all: the per-rank send buffer).
 - latency: average time per iteration on each rank, then the maximum over ranks (the slowest rank).
+  p50 (optional column): median over iterations of the slowest rank's time for that iteration; on a busy
+  2-core machine averages carry a long tail of scheduler delays, the median shows the typical call.
 - algbw = size / latency; busbw = algbw * factor with factor allreduce 2(n-1)/n, allgather, reduce_scatter
   and all_to_all (n-1)/n, broadcast 1. GB/s means 1e9 bytes per second.
 - ratio a/b = latency of b / latency of a: how many times faster backend a is than b (> 1: a is faster).
@@ -61,8 +63,9 @@ def ratio_pairs(backends: Sequence[str]) -> list[tuple[str, str]]:
     return [(subject, other) for other in backends[1:]]
 
 
-def format_op_table(doc: dict[str, Any], op: str) -> str:
-    """One OSU-style block for ``op``: a header, then one row per size (barrier: one row)."""
+def format_op_table(doc: dict[str, Any], op: str, p50: bool = False) -> str:
+    """One OSU-style block for ``op``: a header, then one row per size (barrier: one row). ``p50`` adds the
+    median over iterations of the slowest rank's time per iteration next to the average."""
     meta = doc["meta"]
     backends = available_backends(doc)
     rows = [r for r in doc["results"] if r["op"] == op]
@@ -74,13 +77,15 @@ def format_op_table(doc: dict[str, Any], op: str) -> str:
              f"avg latency per iteration, max over ranks; busbw factor {bus_factor(op, n):.3g})"]
     head = f"{'size':>10} "
     sub = f"{'':>10} "
+    extra = 11 if p50 else 0
     for b in backends:
+        p50_head = f" {'p50(us)':>10}" if p50 else ""
         if op == "barrier":
-            head += f"| {b:^12} "
-            sub += f"| {'lat(us)':>12} "
+            head += f"| {b:^{12 + extra}} "
+            sub += f"| {'lat(us)':>12}{p50_head} "
         else:
-            head += f"| {b:^32} "
-            sub += f"| {'lat(us)':>12} {'algbw':>9} {'busbw':>9} "
+            head += f"| {b:^{32 + extra}} "
+            sub += f"| {'lat(us)':>12}{p50_head} {'algbw':>9} {'busbw':>9} "
     for s, o in pairs:
         head += f"| {s + '/' + o:>9} "
         sub += f"| {'(faster)':>9} "
@@ -90,10 +95,11 @@ def format_op_table(doc: dict[str, Any], op: str) -> str:
         for b in backends:
             r = by_key.get((b, size))
             flag = "" if r is None or r.get("check", "ok") == "ok" else "!"
+            p50_cell = f" {_lat(r, 'lat_us_p50'):>10}" if p50 else ""
             if op == "barrier":
-                line += f"| {_lat(r) + flag:>12} "
+                line += f"| {_lat(r) + flag:>12}{p50_cell} "
             else:
-                line += (f"| {_lat(r) + flag:>12} {_bw(r, 'algbw_GBps'):>9} {_bw(r, 'busbw_GBps'):>9} ")
+                line += (f"| {_lat(r) + flag:>12}{p50_cell} {_bw(r, 'algbw_GBps'):>9} {_bw(r, 'busbw_GBps'):>9} ")
         for s, o in pairs:
             line += f"| {_ratio(by_key.get((s, size)), by_key.get((o, size))):>9} "
         lines.append(line.rstrip())
@@ -103,8 +109,8 @@ def format_op_table(doc: dict[str, Any], op: str) -> str:
     return "\n".join(lines)
 
 
-def _lat(r: dict[str, Any] | None) -> str:
-    return "-" if r is None else f"{r['lat_us']:.2f}"
+def _lat(r: dict[str, Any] | None, key: str = "lat_us") -> str:
+    return "-" if r is None or key not in r else f"{r[key]:.2f}"
 
 
 def _bw(r: dict[str, Any] | None, key: str) -> str:
@@ -136,10 +142,10 @@ def format_header(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_report(doc: dict[str, Any], ops: Iterable[str] | None = None) -> str:
+def format_report(doc: dict[str, Any], ops: Iterable[str] | None = None, p50: bool = False) -> str:
     present = {r["op"] for r in doc["results"]}
     chosen = [op for op in (ops or ALL_OPS) if op in present]
-    return "\n\n".join([format_header(doc)] + [format_op_table(doc, op) for op in chosen])
+    return "\n\n".join([format_header(doc)] + [format_op_table(doc, op, p50) for op in chosen])
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
@@ -194,10 +200,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Re-print (and re-plot) a saved collectives benchmark.")
     parser.add_argument("json_path")
     parser.add_argument("--plot", metavar="PNG", help="also write the plot to this path")
+    parser.add_argument("--p50", action="store_true", help="show the median latency beside the average")
     args = parser.parse_args()
     with open(args.json_path, encoding="utf-8") as f:
         doc = json.load(f)
-    print(format_report(doc))
+    print(format_report(doc, p50=args.p50))
     if args.plot:
         plot(doc, args.plot)
         print(f"# plot: {args.plot}")
