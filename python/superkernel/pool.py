@@ -12,12 +12,14 @@ A :class:`Pool` owns the kernel end of the channels and one dispatcher thread wh
 
 Workers run in their own sessions (torchrun does that; plain workers get ``start_new_session``), so a
 SIGINT to the kernel's process group never reaches them. ``close()`` asks the ranks to exit, then
-escalates SIGTERM -> SIGKILL over the whole process tree; nothing is left behind.
+escalates SIGTERM -> SIGKILL over the whole process tree; nothing is left behind. If the kernel process
+itself is killed, every worker notices within a heartbeat (its kernel pid is gone) and exits, and the
+launcher exits with them. (PR_SET_PDEATHSIG is not used: it fires when the *thread* that started the
+launcher ends, not the kernel process.)
 """
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import re
@@ -107,15 +109,6 @@ _MPI_SIGNAL = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited on\s+sig
 _MPI_EXIT = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited .*?status (\d+)", re.S)
 
 
-def _set_pdeathsig() -> None:
-    """Child side of Popen: die with the kernel (PR_SET_PDEATHSIG) so a killed kernel leaves no pool."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 class Pool:
     def __init__(self, spec: PoolSpec, listener: PoolListener) -> None:
         self.spec = spec
@@ -179,8 +172,7 @@ class Pool:
                 penv = dict(env, RANK=str(i), WORLD_SIZE=str(self.spec.nranks), LOCAL_RANK=str(i))
             log.info("starting pool: %s", " ".join(cmd))
             proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_set_pdeathsig)
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             self._procs.append(proc)
             threading.Thread(target=self._read_launcher, args=(proc,), daemon=True,
                              name=f"superkernel-launcher-{proc.pid}").start()
