@@ -314,14 +314,16 @@ class Worker:
         self.send("execute_reply", reply, msg)
 
     def do_complete(self, msg: dict[str, Any]) -> None:
-        from IPython.utils.tokenutil import line_at_cursor
+        from IPython.core.completer import provisionalcompleter, rectify_completions
 
         code, pos = msg["content"]["code"], msg["content"].get("cursor_pos")
         pos = len(code) if pos is None else pos
-        line, offset = line_at_cursor(code, pos)
-        txt, matches = self.shell.complete("", line, pos - offset)
-        self.send("complete_reply", {"status": "ok", "matches": matches, "cursor_end": pos,
-                                     "cursor_start": pos - len(txt), "metadata": {}}, msg)
+        with provisionalcompleter():
+            comps = list(rectify_completions(code, self.shell.Completer.completions(code, pos)))
+        start = comps[0].start if comps else pos
+        end = comps[0].end if comps else pos
+        self.send("complete_reply", {"status": "ok", "matches": [c.text for c in comps], "cursor_start": start,
+                                     "cursor_end": end, "metadata": {}}, msg)
 
     def do_inspect(self, msg: dict[str, Any]) -> None:
         from IPython.utils.tokenutil import token_at_cursor
