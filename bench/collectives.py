@@ -43,9 +43,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from report import ALL_OPS, BACKEND_ORDER, bus_factor, format_header, format_op_table, plot  # noqa: E402
+from report import (  # noqa: E402
+    ALL_OPS, BACKEND_ORDER, bus_factor, format_header, format_op_table, format_size, plot)
 
-DTYPES = ("float32", "float64", "int32")
+DTYPES = ("float32", "float64", "int32", "bfloat16", "float16")
+MPI_DTYPES = ("float32", "float64", "int32")  # numpy + Open MPI reductions; no 16-bit floats
 QUICK_SIZES = (8, 1 << 10, 64 << 10, 1 << 20, 16 << 20)
 
 
@@ -145,21 +147,23 @@ class Case:
         raise NotImplementedError
 
 
-def expected_values(op: str, rank: int, n: int, shape: Shape) -> tuple[list[tuple[int, int, float]], Any]:
-    """Inputs and expected outputs as lists of (start, stop, value) segments, exact in every dtype used."""
+def expected_values(op: str, rank: int, n: int, shape: Shape, m: int = 100
+                    ) -> tuple[list[tuple[int, int, float]], Any]:
+    """Inputs and expected outputs as lists of (start, stop, value) segments: small integers, exact in the
+    dtype when ``m`` (the per-slice offset) is chosen for it (100; 8 for 16-bit floats with up to 4 ranks)."""
     per = shape.per_rank
     if op == "allreduce":
         return [(0, shape.count, rank + 1)], [(0, shape.count, n * (n + 1) // 2)]
     if op == "allgather":
         return [(0, per, rank + 1)], [(s * per, (s + 1) * per, s + 1) for s in range(n)]
     if op == "reduce_scatter":
-        return ([(s * per, (s + 1) * per, rank + 1 + 100 * s) for s in range(n)],
-                [(0, per, n * (n + 1) // 2 + n * 100 * rank)])
+        return ([(s * per, (s + 1) * per, rank + 1 + m * s) for s in range(n)],
+                [(0, per, n * (n + 1) // 2 + n * m * rank)])
     if op == "broadcast":
         return [(0, shape.count, 7 if rank == 0 else 0)], [(0, shape.count, 7)]
     if op == "all_to_all":
-        return ([(s * per, (s + 1) * per, 100 * rank + s) for s in range(n)],
-                [(s * per, (s + 1) * per, 100 * s + rank) for s in range(n)])
+        return ([(s * per, (s + 1) * per, m * rank + s) for s in range(n)],
+                [(s * per, (s + 1) * per, m * s + rank) for s in range(n)])
     raise ValueError(op)
 
 
@@ -212,7 +216,8 @@ class TorchCase(Case):
         if self.op == "barrier":
             self.run()
             return "ok"
-        inputs, expected = expected_values(self.op, self.rank, self.n, self.shape)
+        inputs, expected = expected_values(self.op, self.rank, self.n, self.shape,
+                                           8 if self.inp.element_size() == 2 else 100)
         self.out.fill_(-1)
         for start, stop, value in inputs:
             self.inp[start:stop] = value
@@ -310,7 +315,32 @@ def _all_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def setup_backends(wanted: list[str], launch: Launch, timeout: _dt.timedelta) -> dict[str, Backend]:
+def _count_ranks(flag: bool) -> int:
+    """How many ranks have ``flag`` set (over the default, coordinating group)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _errors_by_rank(error: str, n: int) -> str:
+    """Every rank's error message, identical ones grouped: "ranks [0, 1]: msg; rank 2: other"."""
+    import torch.distributed as dist
+
+    errors: list[str | None] = [None] * n
+    dist.all_gather_object(errors, error)
+    groups: dict[str, list[int]] = {}
+    for r, e in enumerate(errors):
+        if e:
+            groups.setdefault(e, []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {e}"
+                     for e, rs in groups.items())
+
+
+def setup_backends(wanted: list[str], launch: Launch, timeout: _dt.timedelta, dtype: str
+                   ) -> dict[str, Backend]:
     import torch.distributed as dist
 
     out: dict[str, Backend] = {}
@@ -322,6 +352,8 @@ def setup_backends(wanted: list[str], launch: Launch, timeout: _dt.timedelta) ->
             if launch.mpi_comm is None:
                 out[name] = Backend(name, False, "not launched by mpirun: run under mpirun to measure MPI on "
                                                  "the same ranks")
+            elif dtype not in MPI_DTYPES:
+                out[name] = Backend(name, False, f"no {dtype} reductions in numpy/Open MPI")
             else:
                 from mpi4py import MPI
 
@@ -452,7 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-iters", type=int, default=None, help="default 5 (quick 3)")
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--warmup-max", type=int, default=20, help="at most this many warm-up calls (default 20)")
-    p.add_argument("--timeout", type=float, default=300.0, help="torch group timeout, seconds (default 300)")
+    p.add_argument("--timeout", type=float, default=120.0, help="torch group timeout, seconds (default 120)")
     p.add_argument("--out-dir", default=str(HERE / "results"), help="where JSON and PNG go (bench/results)")
     p.add_argument("--tag", default="", help="file name tag (default: <n>r-<launcher>-<date>)")
     p.add_argument("--no-plot", action="store_true")
@@ -490,9 +522,11 @@ def main(argv: list[str] | None = None) -> int:
         from memcpy import measure_memcpy
 
         memcpy = measure_memcpy().to_json()
-    dist.init_process_group("gloo", timeout=timeout)  # the coordinating group: agreement and timing stats
+    # The coordinating group (agreement, timing statistics) waits longer than the measured groups, so that a
+    # rank whose measured collective timed out still finds the others waiting for it here.
+    dist.init_process_group("gloo", timeout=timeout * 3 + _dt.timedelta(seconds=60))
     n, rank = launch.world_size, launch.rank
-    backends = setup_backends(wanted, launch, timeout)
+    backends = setup_backends(wanted, launch, timeout, args.dtype)
     hostnames = [None] * n
     dist.all_gather_object(hostnames, socket.gethostname())
     nhosts = len(set(hostnames))
@@ -509,7 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                          for b in backends.values()},
         },
         "results": [],
+        "errors": [],
     }
+    broken: dict[tuple[str, str], str] = {}
     live = [b for b in backends.values() if b.available]
     if rank == 0:
         print(format_header(doc), flush=True)
@@ -520,8 +556,29 @@ def main(argv: list[str] | None = None) -> int:
         for nbytes in op_sizes:
             shape = shape_for(op, max(nbytes, 1), itemsize, n) if op != "barrier" else Shape(0, 0, itemsize)
             for b in live:
-                case = b.case(op, shape, args.dtype, rank, n)
-                m = measure(case, b, budget)
+                if (b.name, op) in broken or (b.name, "*") in broken:
+                    continue
+                error = ""
+                try:
+                    case = b.case(op, shape, args.dtype, rank, n)
+                    m = measure(case, b, budget)
+                except Exception as e:  # noqa: BLE001 - report the backend's failure, go on with the others
+                    error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                failed = _count_ranks(bool(error))
+                if failed:
+                    # Failed everywhere (e.g. not supported): skip this op's larger sizes on this backend.
+                    # Failed on some ranks only: the group may be out of step, so drop the backend.
+                    everywhere = failed == n
+                    reason = _errors_by_rank(error, n)
+                    key = (b.name, op) if everywhere else (b.name, "*")
+                    broken[key] = reason
+                    doc["errors"].append({"op": op, "backend": b.name, "bytes": shape.nbytes, "rank": rank,
+                                          "failed_ranks": failed, "error": reason})
+                    if rank == 0:
+                        what = "its larger sizes" if everywhere else f"all further {b.name} measurements"
+                        print(f"# ! {b.name} {op} {format_size(shape.nbytes)} failed on {failed} of {n} ranks: "
+                              f"{reason} (skipping {what})", file=sys.stderr, flush=True)
+                    continue
                 size = shape.nbytes if op != "barrier" else 0
                 sec = m["lat_us"] / 1e6
                 algbw = size / sec / 1e9 if sec > 0 else 0.0

@@ -106,6 +106,10 @@ def format_op_table(doc: dict[str, Any], op: str, p50: bool = False) -> str:
     failed = [r for r in rows if r.get("check", "ok") != "ok"]
     for r in failed:
         lines.append(f"# ! {r['backend']} {op} {r['bytes']} B: wrong result: {r['check']}")
+    for e in doc.get("errors", []):
+        if e["op"] == op:
+            lines.append(f"# ! {e['backend']} {op} failed at {format_size(e['bytes'])} on "
+                         f"{e.get('failed_ranks', '?')} of {doc['meta']['world_size']} ranks: {e['error']}")
     return "\n".join(lines)
 
 
