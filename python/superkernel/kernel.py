@@ -93,6 +93,7 @@ class SuperKernel(IPythonKernel):
         self._last_lines: dict[int, collections.deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=5))
         self._pool_starter: threading.Thread | None = None
+        self._restarting = threading.Event()  # an automatic restart (after escalation) is under way
         self.start_pool()
 
     # ---------------------------------------------------------------------------------------- kernel info
@@ -141,6 +142,12 @@ class SuperKernel(IPythonKernel):
         pool = self.pool
         if pool is None:
             raise PoolStartError("no pool: %restart starts one")
+        if self._restarting.is_set():
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, lambda: _wait_clear(self._restarting, 60))
+            pool = self.pool
+            if pool is None:
+                raise PoolStartError("no pool: %restart starts one")
         if self.pool_down:
             raise PoolStartError(self.pool_down)
         if pool.ready.is_set():
@@ -213,7 +220,7 @@ class SuperKernel(IPythonKernel):
     def on_death(self, deaths: list[Death]) -> None:
         with self._lock:
             note = "; ".join(d.describe() for d in deaths)
-            if self.pool_down is None:
+            if self.pool_down is None and not self._restarting.is_set():
                 self.pool_down = f"the pool is down: {note}. Run %restart to bring it back."
             self.log.error("pool: %s", note)
             if self.pool is not None:
@@ -417,27 +424,34 @@ class SuperKernel(IPythonKernel):
             return
         if not cell.escalated:
             cell.escalated = list(stuck)
+            self._restarting.set()
             self.log.warning("ranks %s ignored the interrupt for %.1f s: SIGTERM", stuck, waited)
             self.pool.signal_ranks(stuck, signal.SIGTERM)
             pool = self.pool
             threading.Thread(target=self._escalate_more, args=(pool, cell, stuck), daemon=True).start()
 
     def _escalate_more(self, pool: Pool, cell: CellRun, stuck: list[int]) -> None:
-        time.sleep(2.0)
-        pool.signal_ranks([r for r in stuck if r not in pool.dead], signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while not cell.done.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not cell.finished:
+        try:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and any(r not in pool.dead for r in stuck):
+                time.sleep(0.05)
+            pool.signal_ranks([r for r in stuck if r not in pool.dead], signal.SIGKILL)
+            deadline = time.monotonic() + 3.0
+            while not cell.done.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)
             with self._lock:
-                cell.deaths.extend(Death(r, pool.ranks[r].pid if r in pool.ranks else -1, "?", None,
-                                         "was terminated after ignoring the interrupt") for r in stuck
-                                   if r not in {d.rank for d in cell.deaths})
-                cell.loop.call_soon_threadsafe(cell.done.set)
-        # bring the pool back automatically
-        if self.pool is pool:
-            self.stop_pool()
-            self.start_pool()
+                if not cell.finished and not cell.done.is_set():
+                    known = {d.rank for d in cell.deaths}
+                    cell.deaths.extend(Death(r, pool.ranks[r].pid if r in pool.ranks else -1, "?", None,
+                                             "was terminated after ignoring the interrupt")
+                                       for r in stuck if r not in known)
+                    cell.loop.call_soon_threadsafe(cell.done.set)
+            # bring the pool back automatically
+            if self.pool is pool:
+                self.stop_pool()
+                self.start_pool()
+        finally:
+            self._restarting.clear()
 
     async def interrupt_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         self.interrupt_cell()
@@ -496,6 +510,12 @@ class SuperKernel(IPythonKernel):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.stop_pool)
         return super().do_shutdown(restart)
+
+
+def _wait_clear(event: threading.Event, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while event.is_set() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _resolve(fut: asyncio.Future[Event], ev: Event) -> None:

@@ -1,0 +1,95 @@
+"""Failure behaviour of a 2-rank torch kernel: dead ranks, stuck collectives, restart, clean shutdown."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+
+from conftest import KernelSession, pool_processes
+
+
+def rank_pids(k: KernelSession) -> dict[int, int]:
+    text = k.ok("import os\nos.getpid()").result or ""
+    pids = dict((int(r), int(p)) for r, p in re.findall(r"\[rank (\d+)\] (\d+)", text))
+    assert len(pids) == 2, text
+    return pids
+
+
+def test_sigkill_of_a_rank_mid_cell_is_reported_fast_and_restart_recovers(kernel2):
+    pids = rank_pids(kernel2)
+    msg_id = kernel2.execute("import time\nprint('working')\ntime.sleep(60)")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    r = kernel2.collect(msg_id, timeout=30, t0=t0)
+    assert r.elapsed < 2.0, r.elapsed
+    assert r.status == "error"
+    assert r.reply["ename"] == "RankDied"
+    assert f"rank 1 (pid {pids[1]}" in r.reply["evalue"] and "SIGKILL" in r.reply["evalue"]
+    assert "last output: working" in "\n".join(r.errors[0]["traceback"])
+    # the kernel is alive and says what to do
+    kernel2.kc.kernel_info()
+    assert kernel2.kc.get_shell_msg(timeout=5)["content"]["status"] == "ok"
+    r = kernel2.run("1 + 1")
+    assert r.status == "error" and "%restart" in r.reply["evalue"]
+    # %restart brings the pool back in seconds
+    t0 = time.monotonic()
+    r = kernel2.ok("%restart")
+    assert "pool restarted: 2 ranks" in r.stream()
+    assert time.monotonic() - t0 < 30
+    new = rank_pids(kernel2)
+    assert not set(new.values()) & set(pids.values())
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids.values())
+
+
+def test_restart_resizes_the_pool(kernel2):
+    r = kernel2.ok("%restart --ranks 3\nworld_size")
+    assert r.result == "[ranks 0-2] 3"
+    kernel2.ok("%restart --ranks 2")
+
+
+def test_rank_stuck_in_a_collective_is_escalated_and_the_pool_restarts(kernel2):
+    pids = rank_pids(kernel2)
+    msg_id = kernel2.execute("if rank == 0:\n    dist.all_reduce(torch.ones(1))  # rank 1 never joins")
+    time.sleep(1.0)
+    kernel2.km.interrupt_kernel()
+    r = kernel2.collect(msg_id, timeout=30)
+    assert r.status == "error"
+    text = r.reply["evalue"] + "\n".join(r.errors[0]["traceback"])
+    assert "rank 0 did not honour the interrupt" in text
+    assert "namespace was lost" in text
+    assert r.elapsed < 10
+    # the pool comes back by itself
+    new = rank_pids(kernel2)
+    assert not set(new.values()) & set(pids.values())
+
+
+def test_shutdown_leaves_no_process_and_no_shm(kernel_prefix):
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    before = {p.pid for p in pool_processes()}
+    k = KernelSession("sk-test-2")
+    k.ok("print(rank)", timeout=180)
+    tree = k.process_tree()
+    mine = [p for p in pool_processes() if p.pid not in before]
+    assert len(mine) >= 3  # torchrun + 2 workers
+    # a kernel restart replaces the pool ...
+    k.km.restart_kernel(now=False)
+    k.kc.wait_for_ready(timeout=60)
+    k.ok("print(rank)", timeout=180)
+    tree += k.process_tree()
+    # ... and a shutdown removes it
+    k.shutdown()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        left += [p for p in pool_processes() if p.pid not in before]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, [" ".join(p.cmdline()) for p in left]
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not (shm_after - shm_before), shm_after - shm_before
