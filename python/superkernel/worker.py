@@ -171,6 +171,13 @@ class Worker:
         for s in (self.stdout, self.stderr):
             s.flush_interval = STREAM_FLUSH_INTERVAL
         sys.stdout, sys.stderr = self.stdout, self.stderr
+        # worker logs go to the launcher's stderr (the pool log), not into the user's cell output
+        copy = getattr(self.stderr, "_original_stdstream_copy", None)
+        if copy is not None:
+            log_stream = os.fdopen(os.dup(copy), "w", buffering=1)
+            for h in logging.getLogger().handlers:
+                if isinstance(h, logging.StreamHandler):
+                    h.setStream(log_stream)
 
     def _start_shell(self) -> None:
         from superkernel.rank_shell import RankShell
