@@ -7,6 +7,11 @@ each host also has its own hostname, resolvable in both hosts through ``/etc/net
 ``ip netns exec`` mounts over /etc/hosts for the command only). Nothing is added to the machine's own
 network namespace: all traffic of a job targets the two namespace addresses or loopback.
 
+Each host also gets its own /dev/shm (``/dev/shm/<ns>`` of the machine, bind-mounted over /dev/shm in the
+command's private mount namespace; ``private_shm=False`` shares the machine's), so shared memory cannot
+silently connect the two hosts; a test can look for leaked segments in ``host.shm_dir``. What is still
+shared: the pid namespace (``process_vm_readv`` across hosts would work), the boot id, the file system.
+
 Optionally the link is shaped in both directions with ``tc ... tbf rate <rate>`` (e.g. "1gbit").
 
 Cleanup is guaranteed as far as a process can: the context manager, an ``atexit`` hook, and at every new
@@ -42,6 +47,7 @@ from pathlib import Path
 
 PREFIX = "sk"
 NETNS_ETC = Path("/etc/netns")
+SHM_ROOT = Path("/dev/shm")  # private /dev/shm of host X: /dev/shm/<netns of X>
 IFNAME = "eth0"
 DEFAULT_SUBNET = "10.231.7"  # a /24 that only ever exists inside the two namespaces
 CMD_TIMEOUT = 30.0  # seconds for each `ip`/`tc` administration command
@@ -98,13 +104,15 @@ def cleanup_stale() -> list[str]:
     removed: list[str] = []
     listing = _admin(["ip", "netns", "list"], check=False).stdout
     names = {line.split()[0] for line in listing.splitlines() if line.strip()}
-    if NETNS_ETC.is_dir():
-        names |= {p.name for p in NETNS_ETC.iterdir()}
+    for root in (NETNS_ETC, SHM_ROOT):
+        if root.is_dir():
+            names |= {p.name for p in root.iterdir()}
     for name in sorted(names):
         m = _NAME_RE.match(name)
         if m and not _pid_alive(int(m.group(1))):
             _admin(["ip", "netns", "del", name], check=False)
             shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+            shutil.rmtree(SHM_ROOT / name, ignore_errors=True)
             removed.append(name)
     return removed
 
@@ -117,17 +125,22 @@ def parse_rate(rate: str) -> int:
     return int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)])
 
 
+_ENTER = 'hostname "$0" && { [ -z "$1" ] || mount --bind "$1" /dev/shm; } && shift && exec "$@"'
+
+
 @dataclass(frozen=True)
 class NetnsHost:
     netns: str
     hostname: str
     address: str
     ifname: str = IFNAME
+    shm_dir: Path | None = None  # this host's /dev/shm (a directory of the machine's /dev/shm), if private
 
     def argv(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run inside this host (its network namespace and its own hostname)."""
+        """``argv`` wrapped to run inside this host: its network namespace, its own hostname and, when
+        ``shm_dir`` is set, its own /dev/shm (bind-mounted in the command's private mount namespace)."""
         return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--",
-                "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname, *argv]
+                "sh", "-c", _ENTER, self.hostname, str(self.shm_dir or ""), *argv]
 
     def run(self, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
             check: bool = False) -> subprocess.CompletedProcess:
@@ -174,6 +187,7 @@ class TwoHosts:
     rate: str | None = None  # tbf rate in each direction, e.g. "1gbit"; None: unshaped
     subnet: str = DEFAULT_SUBNET  # first three octets of the private /24
     mtu: int | None = None
+    private_shm: bool = True  # each host sees its own /dev/shm, as separate machines would
     a: NetnsHost = field(init=False)
     b: NetnsHost = field(init=False)
     _procs: list[subprocess.Popen] = field(init=False, default_factory=list)
@@ -185,8 +199,9 @@ class TwoHosts:
                             self.subnet):
             raise ValueError(f"subnet {self.subnet!r}: give the first three octets of a private /24")
         base = f"{PREFIX}-{os.getpid()}-{next(_seq)}"
-        self.a = NetnsHost(f"{base}-a", f"{base}-a", f"{self.subnet}.1")
-        self.b = NetnsHost(f"{base}-b", f"{base}-b", f"{self.subnet}.2")
+        shm = (lambda name: SHM_ROOT / name) if self.private_shm else (lambda name: None)
+        self.a = NetnsHost(f"{base}-a", f"{base}-a", f"{self.subnet}.1", shm_dir=shm(f"{base}-a"))
+        self.b = NetnsHost(f"{base}-b", f"{base}-b", f"{self.subnet}.2", shm_dir=shm(f"{base}-b"))
 
     @property
     def hosts(self) -> tuple[NetnsHost, NetnsHost]:
@@ -214,6 +229,9 @@ class TwoHosts:
         for h in (a, b):
             _admin(["ip", "netns", "add", h.netns])
             self._created.append(h.netns)
+            if h.shm_dir is not None:
+                h.shm_dir.mkdir(mode=0o1777)
+                h.shm_dir.chmod(0o1777)
             etc = NETNS_ETC / h.netns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(
@@ -297,6 +315,8 @@ class TwoHosts:
                 problems.append(f"ip netns del {name}: {r.stderr.strip()}")
         for h in (self.a, self.b):
             shutil.rmtree(NETNS_ETC / h.netns, ignore_errors=True)
+            if h.shm_dir is not None and h.netns in self._created:
+                shutil.rmtree(h.shm_dir, ignore_errors=True)
         try:
             NETNS_ETC.rmdir()  # only when empty: other users' entries stay
         except OSError:

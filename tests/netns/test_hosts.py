@@ -66,6 +66,21 @@ def test_hosts_exist_resolve_each_other_and_vanish() -> None:
 
 @needs_netns
 @pytest.mark.netns
+def test_each_host_has_its_own_dev_shm() -> None:
+    with TwoHosts() as hosts:
+        a, b = hosts.hosts
+        segment = f"sk-test-{os.getpid()}"
+        a.run(["sh", "-c", f"echo data > /dev/shm/{segment}"], timeout=30, check=True)
+        # Seen by a later command on host a, not by host b, not in the machine's /dev/shm itself.
+        assert a.run(["cat", f"/dev/shm/{segment}"], timeout=30, check=True).stdout == "data\n"
+        assert b.run(["test", "-e", f"/dev/shm/{segment}"], timeout=30).returncode != 0
+        assert not Path("/dev/shm", segment).exists()
+        assert a.shm_dir is not None and (a.shm_dir / segment).exists()
+    assert not a.shm_dir.exists() and b.shm_dir is not None and not b.shm_dir.exists()
+
+
+@needs_netns
+@pytest.mark.netns
 def test_cleanup_after_failure_inside_the_block() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with TwoHosts() as hosts:
