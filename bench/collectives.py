@@ -538,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             "hosts_desc": hosts_desc, "torch_version": torch.__version__, "date": _dt.datetime.now(
                 _dt.timezone.utc).isoformat(timespec="seconds"), "memcpy": memcpy, "args": vars(args),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
-            "nproc": os.cpu_count(),
+            "nproc": os.cpu_count(), "git_commit": _git_commit() if rank == 0 else None,
+            "superkernel_transport": os.environ.get("SUPERKERNEL_TRANSPORT"),
             "backends": {b.name: {"available": b.available, "reason": b.reason, "detail": b.detail}
                          for b in backends.values()},
         },
@@ -592,6 +593,22 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (with "+dirty" when bench or sources differ), or None outside a git checkout."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def write_outputs(doc: dict[str, Any], args: argparse.Namespace, launch: Launch) -> None:
