@@ -182,7 +182,14 @@ def plot(doc: dict[str, Any], path: str) -> None:
         lat_ax.set_ylabel("latency (us)")
         bw_ax.set_xscale("log", base=2)
         bw_ax.set_ylabel("bus bandwidth (GB/s)")
-        bw_ax.set_xlabel("size (bytes)")
+        bw_ax.set_xlabel("size")
+        sizes = [r["bytes"] for r in doc["results"] if r["op"] == op and r["bytes"] > 0]
+        if sizes:
+            lo, hi = min(sizes).bit_length() - 1, max(sizes).bit_length()
+            step = max(1, (hi - lo + 5) // 6)
+            ticks = [1 << k for k in range(lo, hi, step)]
+            for ax in (lat_ax, bw_ax):
+                ax.set_xticks(ticks, [format_size(t).replace(" ", "") for t in ticks], fontsize=8)
         if memcpy:
             bw_ax.axhline(memcpy["best_GBps"], linestyle="--", color="grey", linewidth=1, label="memcpy")
         for ax in (lat_ax, bw_ax):
