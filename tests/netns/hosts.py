@@ -394,13 +394,15 @@ def torchrun_argv(script: str, script_args: Sequence[str], nnodes: int, node_ran
 
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                "SUPERKERNEL_HOST_ID")  # an inherited host id would make the two hosts one
 
 
 def job_env(host: NetnsHost, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The caller's environment minus any launcher variables, with Gloo bound to the host's veth interface."""
+    """The caller's environment minus any launcher variables, with Gloo and mk bound to the host's veth."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("OMPI_")}
     env["GLOO_SOCKET_IFNAME"] = host.ifname
+    env["SUPERKERNEL_SOCKET_IFNAME"] = host.ifname  # mk's TCP listen interface
     env.update(extra or {})
     return env
 
