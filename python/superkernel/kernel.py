@@ -501,6 +501,15 @@ class SuperKernel(IPythonKernel):
         except Exception:
             return super().do_inspect(code, cursor_pos, detail_level, omit_sections)
 
+    def do_history(self, hist_access_type: str, output: bool, raw: bool, session: int = 0, start: int = 0,
+                   stop: int | None = None, n: int | None = None, pattern: str | None = None,
+                   unique: bool = False) -> dict[str, Any]:
+        reply = super().do_history(hist_access_type, output, raw, session, start, stop, n, pattern, unique)
+        # IPython reports the running session as 0 in ranges; name it, as tail and search do
+        current = self.shell.history_manager.session_number
+        reply["history"] = [(s or current, *rest) for s, *rest in reply["history"]]
+        return reply
+
     def _first_rank(self) -> int:
         pool = self.pool
         alive = pool.alive_ranks() if pool else [0]
