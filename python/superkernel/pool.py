@@ -36,6 +36,7 @@ from typing import Any, Callable, Protocol
 
 import psutil
 
+from superkernel.capture import SYNC
 from superkernel.protocol import Event, KernelChannels
 
 log = logging.getLogger("superkernel.pool")
@@ -223,7 +224,7 @@ class Pool:
     def _read_launcher(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         for raw in iter(proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
+            line = raw.decode(errors="replace").rstrip("\n").replace(SYNC, "")
             self._launcher_output.append(line)
             log.debug("[launcher] %s", line)
             m = _TORCHRUN_FAIL.search(line)

@@ -16,16 +16,13 @@ output and ``!cmd`` are captured too.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import pickle
 import queue
 import signal
 import socket
-import struct
 import sys
-import termios
 import threading
 import time
 from typing import Any
@@ -160,14 +157,16 @@ class Worker:
 
     # -- output capture (ipykernel's machinery) --
     def _start_io(self) -> None:
-        from ipykernel.iostream import IOPubThread, OutStream
+        from ipykernel.iostream import IOPubThread
+
+        from superkernel.capture import RankOutStream
 
         self.pub = IOPubThread(self.channels.push)
         self.pub.start()
         sys.stdout.flush()
         sys.stderr.flush()
-        self.stdout = OutStream(self.session, self.pub, "stdout", watchfd="force")
-        self.stderr = OutStream(self.session, self.pub, "stderr", watchfd="force")
+        self.stdout = RankOutStream(self.session, self.pub, "stdout", watchfd="force")
+        self.stderr = RankOutStream(self.session, self.pub, "stderr", watchfd="force")
         for s in (self.stdout, self.stderr):
             s.flush_interval = STREAM_FLUSH_INTERVAL
         sys.stdout, sys.stderr = self.stdout, self.stderr
@@ -278,11 +277,8 @@ class Worker:
 
     def flush(self) -> None:
         """Send everything this rank printed so far, including fd-level output still in the pipes."""
-        deadline = time.monotonic() + 0.2
         for s in (self.stdout, self.stderr):
-            fid = getattr(s, "_fid", None)
-            while fid is not None and time.monotonic() < deadline and _bytes_waiting(fid) > 0:
-                time.sleep(0.001)
+            s.sync()
         self.stdout.flush()
         self.stderr.flush()
 
@@ -376,13 +372,6 @@ def _without_torch(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _without_torch(v) for k, v in value.items()}
     return value
-
-
-def _bytes_waiting(fd: int) -> int:
-    try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0
 
 
 def main(argv: list[str] | None = None) -> None:
