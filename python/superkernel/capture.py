@@ -13,7 +13,7 @@ from typing import Any
 
 from ipykernel.iostream import OutStream
 
-SYNC = "\x00superkernel-sync\x00"
+from superkernel.protocol import SYNC
 
 
 class RankOutStream(OutStream):

@@ -36,8 +36,7 @@ from typing import Any, Callable, Protocol
 
 import psutil
 
-from superkernel.capture import SYNC
-from superkernel.protocol import Event, KernelChannels
+from superkernel.protocol import SYNC, Event, KernelChannels
 
 log = logging.getLogger("superkernel.pool")
 

@@ -34,6 +34,9 @@ log = logging.getLogger("superkernel.protocol")
 
 SIGNATURE_SCHEME = "hmac-sha256"
 
+# written into a rank's stdout/stderr fd to find out when the fd watcher has forwarded everything before it
+SYNC = "\x00superkernel-sync\x00"
+
 
 @dataclass
 class ConnectionInfo:

@@ -1,0 +1,45 @@
+"""Registers the ``mk`` backend with torch.distributed and gives Python access to its introspection.
+
+After ``import superkernel``::
+
+    dist.init_process_group("mk")                  # CPU tensors over mk
+    dist.init_process_group("cpu:mk,cuda:nccl")    # mk for CPU tensors, NCCL for CUDA tensors
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from superkernel import _C
+
+BACKEND_NAME = "mk"
+
+
+def register_backend() -> None:
+    """Register ``mk`` once per process (idempotent)."""
+    if not dist.is_available():
+        raise ImportError("superkernel needs a torch build with torch.distributed")
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _C.create_backend, devices=["cpu"])
+
+
+def mk_backend(group: dist.ProcessGroup | None = None) -> torch._C._distributed_c10d.Backend:
+    """The mk backend object behind ``group`` (the default group when None)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return pg._get_backend(torch.device("cpu"))
+
+
+def transports(group: dist.ProcessGroup | None = None) -> list[str]:
+    """Per peer rank of ``group``: 'self', 'shm' or 'tcp'."""
+    return list(_C.transports(mk_backend(group)))
+
+
+def peer_hosts(group: dist.ProcessGroup | None = None) -> list[str]:
+    """Per rank of ``group``: the host name it runs on."""
+    return list(_C.peer_hosts(mk_backend(group)))
+
+
+def cancel_waits() -> None:
+    """Fail every blocked mk wait in this process now (used by the notebook worker on interrupt)."""
+    _C.cancel_waits()
