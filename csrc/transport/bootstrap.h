@@ -1,0 +1,31 @@
+// Builds a Comm through an existing key-value store (torch's c10d Store: the adapter wraps it); never a
+// home-made rendezvous. Ranks publish their host identity, then shm segment descriptors and TCP listen
+// addresses as needed, and share a random job secret that every TCP connection must present.
+#pragma once
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "transport/comm.h"
+
+namespace mk {
+
+class KeyValue {
+ public:
+  virtual ~KeyValue() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Blocks until the key exists (within the store's own timeout).
+  virtual std::string get(const std::string& key) = 0;
+};
+
+struct BootstrapOptions {
+  TransportMode mode = TransportMode::automatic;  // SUPERKERNEL_TRANSPORT
+  ShmOptions shm;
+  TcpOptions tcp;
+  static BootstrapOptions from_env();
+};
+
+std::unique_ptr<Comm> bootstrap(KeyValue& kv, int rank, int size, std::chrono::milliseconds timeout,
+                                const BootstrapOptions& opt);
+
+}  // namespace mk

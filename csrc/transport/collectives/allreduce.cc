@@ -1,0 +1,200 @@
+// Reductions: allreduce, reduce, reduce_scatter.
+//  - one host: every rank copies its chunk into its staging slot; small chunks are then reduced whole by
+//    every rank (one synchronisation), large ones are split so each rank reduces its slice of all inputs
+//    and then gathers the others' slices (two synchronisations, each byte read once per rank).
+//  - across hosts: recursive doubling for small power-of-two groups, else a ring (reduce-scatter then
+//    allgather). fp16/bf16 travel and accumulate as fp32 there, so every sum is accumulated in fp32.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "transport/collectives/collective.h"
+#include "transport/collectives/collectives.h"
+
+namespace mk::coll {
+namespace {
+
+constexpr size_t kSmallBytes = 16 << 10;
+
+size_t align_elems(size_t n, size_t es) {
+  const size_t a = std::max<size_t>(1, 64 / es);
+  return (n + a - 1) / a * a;
+}
+
+void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const OpDesc& d, const Deadline& dl) {
+  ShmProvider& s = *c.shm();
+  const int R = s.local_size(), me = s.local_rank();
+  const size_t es = dtype_size(t);
+  const size_t per_chunk = s.chunk_bytes() / es;
+  std::vector<const void*> srcs(static_cast<size_t>(R));
+  size_t off = 0;
+  bool first = true;
+  do {
+    const size_t n = std::min(per_chunk, count - off);
+    const int slot = shm_begin(c, d, dl);
+    std::memcpy(s.slot(me, slot), buf + off * es, n * es);
+    shm_ready(c, slot, d, first, dl);
+    if (n * es <= kSmallBytes) {
+      for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot);
+      reduce_many(buf + off * es, srcs.data(), R, n, t, op);
+    } else {
+      const size_t per = align_elems((n + size_t(R) - 1) / size_t(R), es);
+      const size_t lo = std::min(n, per * size_t(me)), hi = std::min(n, lo + per);
+      for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + lo * es;
+      reduce_many(s.slot(me, slot) + lo * es, srcs.data(), R, hi - lo, t, op);
+      shm_sync(c, d, dl);
+      for (int r = 0; r < R; ++r) {
+        const size_t rlo = std::min(n, per * size_t(r)), rhi = std::min(n, rlo + per);
+        std::memcpy(buf + (off + rlo) * es, s.slot(r, slot) + rlo * es, (rhi - rlo) * es);
+      }
+    }
+    shm_done(c, slot);
+    off += n;
+    first = false;
+  } while (off < count);
+}
+
+// Ring over providers: after the reduce-scatter phase rank r owns the reduced segment r.
+void ring_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, uint64_t check,
+                    const Deadline& dl, bool gather_back) {
+  const int R = c.size(), me = c.rank();
+  const size_t es = dtype_size(t);
+  const size_t seg = (count + size_t(R) - 1) / size_t(R);
+  auto lo = [&](int i) { return std::min(count, seg * size_t(i)); };
+  auto len = [&](int i) { return std::min(count, lo(i) + seg) - lo(i); };
+  std::vector<char> tmp(seg * es);
+  const int right = (me + 1) % R, left = (me - 1 + R) % R;
+  for (int k = 0; k < R - 1; ++k) {
+    const int si = ((me - k - 1) % R + R) % R, ri = ((me - k - 2) % R + R) % R;
+    sendrecv(c, "allreduce", right, buf + lo(si) * es, len(si) * es, left, tmp.data(), len(ri) * es,
+             coll_tag(seq, uint32_t(k)), check, dl);
+    const void* srcs[2] = {buf + lo(ri) * es, tmp.data()};
+    reduce_many(buf + lo(ri) * es, srcs, 2, len(ri), t, op);
+  }
+  if (!gather_back) return;
+  for (int k = 0; k < R - 1; ++k) {
+    const int si = ((me - k) % R + R) % R, ri = ((me - k - 1) % R + R) % R;
+    sendrecv(c, "allreduce", right, buf + lo(si) * es, len(si) * es, left, buf + lo(ri) * es, len(ri) * es,
+             coll_tag(seq, uint32_t(R + k)), check, dl);
+  }
+}
+
+void doubling_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, uint64_t check,
+                        const Deadline& dl) {
+  const size_t bytes = count * dtype_size(t);
+  std::vector<char> tmp(bytes);
+  uint32_t step = 0;
+  for (int mask = 1; mask < c.size(); mask <<= 1, ++step) {
+    const int partner = c.rank() ^ mask;
+    sendrecv(c, "allreduce", partner, buf, bytes, partner, tmp.data(), bytes, coll_tag(seq, step), check, dl);
+    const void* srcs[2] = {buf, tmp.data()};
+    reduce_many(buf, srcs, 2, count, t, op);
+  }
+}
+
+bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
+
+void p2p_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, uint64_t check,
+                   const Deadline& dl) {
+  if (is_half(t)) {  // accumulate in fp32 end to end
+    std::vector<float> wide(count);
+    to_f32(wide.data(), buf, count, t);
+    p2p_allreduce(c, reinterpret_cast<char*>(wide.data()), count, DType::f32, op, seq, check, dl);
+    from_f32(buf, wide.data(), count, t);
+    return;
+  }
+  const bool pow2 = (c.size() & (c.size() - 1)) == 0;
+  if (pow2 && count * dtype_size(t) <= (64u << 10))
+    doubling_allreduce(c, buf, count, t, op, seq, check, dl);
+  else
+    ring_allreduce(c, buf, count, t, op, seq, check, dl, true);
+}
+
+}  // namespace
+
+void allreduce(Comm& c, void* buf, size_t count, DType t, RedOp op) {
+  c.check_usable("allreduce");
+  check_reducible(t, op, cat("mk allreduce (rank ", c.rank(), ")"));
+  const OpDesc d{Kind::allreduce, t, op, count, -1};
+  const uint64_t seq = c.next_seq();
+  const Deadline dl = c.deadline();
+  if (c.size() == 1) {
+  } else if (c.all_local()) {
+    shm_allreduce(c, static_cast<char*>(buf), count, t, op, d, dl);
+  } else {
+    p2p_allreduce(c, static_cast<char*>(buf), count, t, op, seq, d.check(), dl);
+  }
+  if (op == RedOp::avg) finish_avg(buf, count, t, c.size());
+}
+
+void reduce(Comm& c, void* buf, size_t count, DType t, RedOp op, int root) {
+  c.check_usable("reduce");
+  check_reducible(t, op, cat("mk reduce (rank ", c.rank(), ")"));
+  if (root < 0 || root >= c.size())
+    throw Error(cat("mk reduce: rank ", c.rank(), ": invalid root ", root, " (group size ", c.size(), ")"));
+  const OpDesc d{Kind::reduce, t, op, count, root};
+  const uint64_t seq = c.next_seq();
+  const Deadline dl = c.deadline();
+  const size_t bytes = count * dtype_size(t);
+  std::vector<char> scratch;
+  char* work = static_cast<char*>(buf);
+  if (c.rank() != root) {  // leave non-root buffers untouched
+    scratch.assign(work, work + bytes);
+    work = scratch.data();
+  }
+  if (c.size() > 1) {
+    if (c.all_local()) {
+      shm_allreduce(c, work, count, t, op, d, dl);
+    } else {
+      p2p_allreduce(c, work, count, t, op, seq, d.check(), dl);
+    }
+  }
+  if (c.rank() == root && op == RedOp::avg) finish_avg(buf, count, t, c.size());
+}
+
+void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, RedOp op) {
+  c.check_usable("reduce_scatter");
+  check_reducible(t, op, cat("mk reduce_scatter (rank ", c.rank(), ")"));
+  const OpDesc d{Kind::reduce_scatter, t, op, count, -1};
+  const uint64_t seq = c.next_seq();
+  const Deadline dl = c.deadline();
+  const int R = c.size(), me = c.rank();
+  const size_t es = dtype_size(t);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  if (R == 1) {
+    std::memmove(dst, src, count * es);
+  } else if (c.all_local()) {
+    ShmProvider& s = *c.shm();
+    const int lme = s.local_rank();
+    const size_t per_chunk = std::max<size_t>(1, s.chunk_bytes() / es / size_t(R));
+    std::vector<const void*> srcs(static_cast<size_t>(R));
+    size_t off = 0;
+    bool first = true;
+    do {
+      const size_t n = std::min(per_chunk, count - off);
+      const int slot = shm_begin(c, d, dl);
+      char* mine = s.slot(lme, slot);
+      for (int r = 0; r < R; ++r) std::memcpy(mine + size_t(r) * n * es, src + (size_t(r) * count + off) * es, n * es);
+      shm_ready(c, slot, d, first, dl);
+      for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + size_t(me) * n * es;
+      reduce_many(dst + off * es, srcs.data(), R, n, t, op);
+      shm_done(c, slot);
+      off += n;
+      first = false;
+    } while (off < count);
+  } else if (is_half(t)) {
+    std::vector<float> wide(count * size_t(R));
+    to_f32(wide.data(), src, wide.size(), t);
+    ring_allreduce(c, reinterpret_cast<char*>(wide.data()), wide.size(), DType::f32, op, seq, d.check(), dl, false);
+    from_f32(dst, wide.data() + size_t(me) * count, count, t);
+  } else {
+    // The ring leaves segment `me` reduced; segments are exactly the blocks when count*R splits evenly.
+    std::vector<char> work(src, src + count * size_t(R) * es);
+    ring_allreduce(c, work.data(), count * size_t(R), t, op, seq, d.check(), dl, false);
+    std::memcpy(dst, work.data() + size_t(me) * count * es, count * es);
+  }
+  if (op == RedOp::avg) finish_avg(out, count, t, R);
+}
+
+}  // namespace mk::coll

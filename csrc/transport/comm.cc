@@ -1,0 +1,57 @@
+#include "transport/comm.h"
+
+#include "transport/error.h"
+
+namespace mk {
+
+Comm::Comm(int rank, int size, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), timeout_(timeout), matcher_(rank), peers_(size_t(size)), route_(size_t(size), nullptr) {}
+
+Comm::~Comm() {
+  // Providers stop their progress threads before the matcher they feed goes away.
+  tcp_.reset();
+  shm_.reset();
+}
+
+const char* Comm::transport_of(int peer) const {
+  if (peer == rank_) return "self";
+  return route_.at(size_t(peer)) ? route_[size_t(peer)]->name() : "none";
+}
+
+void Comm::check_usable(const char* op) const {
+  if (aborted_.load())
+    throw PeerError(cat("mk ", op, ": rank ", rank_, ": the communicator was aborted earlier (", abort_reason_,
+                        "); create a new process group"));
+}
+
+RequestPtr Comm::isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check) {
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    throw Error(cat("mk send: rank ", rank_, ": invalid destination rank ", peer, " (group size ", size_, ")"));
+  return route_[size_t(peer)]->isend(peer, tag, buf, len, check);
+}
+
+RequestPtr Comm::irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t check) {
+  if (peer != kAnySource && (peer < 0 || peer >= size_ || peer == rank_))
+    throw Error(cat("mk recv: rank ", rank_, ": invalid source rank ", peer, " (group size ", size_, ")"));
+  auto r = matcher_.post_recv(peer, tag, buf, len, check);
+  if (peer != kAnySource && !route_[size_t(peer)]->peer_alive(peer))
+    matcher_.fail_source(peer, cat("rank ", rank_, ": peer ", peer, " is gone"));
+  return r;
+}
+
+void Comm::wait(const RequestPtr& r, const Deadline& d, const char* op, int peer) {
+  r->wait(d, [&] {
+    return peer == kAnySource ? cat("mk ", op, ": rank ", rank_, " (any source)")
+                              : cat("mk ", op, ": rank ", rank_, ", peer ", peer);
+  });
+}
+
+void Comm::abort(const std::string& why) {
+  if (aborted_.exchange(true)) return;
+  abort_reason_ = why;
+  if (shm_) shm_->abort(why);
+  if (tcp_) tcp_->abort(why);
+  matcher_.fail_all(cat("rank ", rank_, ": communicator aborted: ", why));
+}
+
+}  // namespace mk

@@ -1,0 +1,18 @@
+// What this process knows about its host: an identity that tells "same machine, same network namespace"
+// (ranks with equal identities share memory), and the address its TCP listener binds to.
+#pragma once
+#include <string>
+
+namespace mk {
+
+// hostname/boot_id/netns-inode, or $SUPERKERNEL_HOST_ID when set.
+std::string host_identity();
+// Human-readable host name for messages and %info.
+std::string host_name();
+// IPv4 address for the TCP listener: $SUPERKERNEL_SOCKET_IFNAME's address when set, else the first
+// non-loopback interface that is up, else 127.0.0.1. `loopback_only` forces 127.0.0.1 (single-host jobs).
+std::string listen_address(bool loopback_only);
+// Online CPUs (for deciding how long to spin before sleeping).
+int online_cpus();
+
+}  // namespace mk

@@ -1,0 +1,501 @@
+#include "transport/providers/shm.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "transport/error.h"
+#include "transport/futex.h"
+#include "transport/host.h"
+
+namespace mk {
+namespace {
+
+constexpr uint64_t kMagic = 0x6d6b2d73686d3031ull;  // "mk-shm01"
+constexpr uint32_t kVersion = 1;
+constexpr int kMaxSlots = 16;
+constexpr int kDescWords = 8;
+
+struct alignas(64) Control {
+  uint64_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t nlocal;
+  int32_t pid;
+  uint64_t chunk, slots, ring, total;
+  alignas(64) std::atomic<uint64_t> step;
+  alignas(64) std::atomic<uint32_t> step_word;
+  std::atomic<uint32_t> step_sleepers;
+  std::atomic<uint32_t> aborted;
+  alignas(64) std::atomic<uint32_t> doorbell;
+  std::atomic<uint32_t> doorbell_sleeping;
+  alignas(64) std::atomic<uint64_t> desc[kMaxSlots][kDescWords];
+};
+
+struct alignas(64) RingHeader {
+  alignas(64) std::atomic<uint64_t> head;  // written by the sender
+  alignas(64) std::atomic<uint64_t> tail;  // written by the receiver
+};
+
+struct MsgHeader {
+  uint64_t tag;
+  uint64_t check;
+  uint64_t len;
+};
+
+size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+struct Layout {
+  size_t rings_off, ring_data_off, slots_off, total;
+  Layout(int nlocal, const ShmOptions& o) {
+    rings_off = round_up(sizeof(Control), 4096);
+    ring_data_off = round_up(rings_off + sizeof(RingHeader) * size_t(nlocal), 4096);
+    slots_off = round_up(ring_data_off + o.ring * size_t(nlocal), 4096);
+    total = round_up(slots_off + o.chunk * size_t(o.slots), 4096);
+  }
+};
+
+int pidfd_open(pid_t pid) {
+#ifdef SYS_pidfd_open
+  return int(syscall(SYS_pidfd_open, pid, 0));
+#else
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+}  // namespace
+
+// One mapped segment: ours (created) or a peer's (opened through /proc/<pid>/fd/<fd>).
+class ShmSegment {
+ public:
+  ShmSegment(int nlocal, const ShmOptions& o, int rank) : layout_(nlocal, o) {
+    fd_ = int(syscall(SYS_memfd_create, cat("mk-rank", rank).c_str(), MFD_CLOEXEC));
+    MK_SYSCHECK(fd_, cat("mk shm: rank ", rank, ": memfd_create"));
+    if (ftruncate(fd_, off_t(layout_.total)) != 0) {
+      int e = errno;
+      ::close(fd_);
+      throw_errno(cat("mk shm: rank ", rank, ": ftruncate(", layout_.total, " bytes)"), e);
+    }
+    map(rank);
+    Control* c = control();
+    c->magic = kMagic;
+    c->version = kVersion;
+    c->rank = rank;
+    c->nlocal = nlocal;
+    c->pid = int32_t(getpid());
+    c->chunk = o.chunk;
+    c->slots = uint64_t(o.slots);
+    c->ring = o.ring;
+    c->total = layout_.total;
+    opts_ = o;
+  }
+  ShmSegment(int nlocal, const ShmOptions& o, int my_rank, int peer_rank, const std::string& desc)
+      : layout_(nlocal, o) {
+    int pid = 0, fd = 0;
+    unsigned long size = 0;
+    if (std::sscanf(desc.c_str(), "%d:%d:%lu", &pid, &fd, &size) != 3)
+      throw Error(cat("mk shm: rank ", my_rank, ": malformed segment descriptor '", desc, "' of peer ", peer_rank));
+    const std::string path = cat("/proc/", pid, "/fd/", fd);
+    fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd_ < 0)
+      throw_errno(cat("mk shm: rank ", my_rank, " cannot open peer ", peer_rank, "'s segment ", path,
+                      " (same user and ptrace access are needed; SUPERKERNEL_TRANSPORT=tcp avoids shared memory)"));
+    if (size != layout_.total) {
+      ::close(fd_);
+      throw Error(cat("mk shm: rank ", my_rank, " and peer ", peer_rank,
+                      " disagree on the segment layout (SUPERKERNEL_SHM_* settings differ between ranks)"));
+    }
+    map(my_rank);
+    ::close(fd_);  // the mapping keeps it alive; the owner's fd is the only name
+    fd_ = -1;
+    Control* c = control();
+    if (c->magic != kMagic || c->version != kVersion || c->rank != peer_rank || c->chunk != o.chunk ||
+        c->ring != o.ring || c->slots != uint64_t(o.slots))
+      throw Error(cat("mk shm: rank ", my_rank, ": peer ", peer_rank, "'s segment does not match this job"));
+    opts_ = o;
+  }
+  ~ShmSegment() {
+    if (base_ && base_ != MAP_FAILED) munmap(base_, layout_.total);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+
+  std::string descriptor() const { return cat(getpid(), ":", fd_, ":", layout_.total); }
+  Control* control() const { return reinterpret_cast<Control*>(base_); }
+  RingHeader* ring_header(int sender) const {
+    return reinterpret_cast<RingHeader*>(base_ + layout_.rings_off) + sender;
+  }
+  char* ring_data(int sender) const { return base_ + layout_.ring_data_off + opts_.ring * size_t(sender); }
+  char* slot(int s) const { return base_ + layout_.slots_off + opts_.chunk * size_t(s); }
+  int pid() const { return control()->pid; }
+
+ private:
+  void map(int rank) {
+    void* p = mmap(nullptr, layout_.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) {
+      int e = errno;
+      ::close(fd_);
+      fd_ = -1;
+      throw_errno(cat("mk shm: rank ", rank, ": mmap of ", layout_.total, " bytes"), e);
+    }
+    base_ = static_cast<char*>(p);
+  }
+  Layout layout_;
+  ShmOptions opts_;
+  int fd_ = -1;
+  char* base_ = nullptr;
+};
+
+struct OutMsg {
+  MsgHeader hdr;
+  const char* data;
+  size_t done = 0;
+  RequestPtr req;
+};
+
+struct ShmProvider::Outgoing {
+  std::mutex mu;
+  std::deque<OutMsg> q;
+};
+
+struct InState {
+  MsgHeader hdr{};
+  size_t hdr_got = 0;
+  ArrivalPtr cur;
+  size_t got = 0;
+};
+
+ShmProvider::ShmProvider(int rank, const std::vector<int>& locals, Matcher& matcher, const ShmOptions& opt)
+    : rank_(rank), locals_(locals), matcher_(matcher), opt_(opt), alive_(locals.size()) {
+  if (opt_.slots < 2 || opt_.slots > kMaxSlots)
+    throw Error(cat("mk shm: SUPERKERNEL_SHM_SLOTS must be within 2..", kMaxSlots));
+  if (opt_.chunk < 4096 || opt_.chunk % 64) throw Error("mk shm: SUPERKERNEL_SHM_CHUNK must be a multiple of 64, >= 4096");
+  if (opt_.ring < 4096) throw Error("mk shm: SUPERKERNEL_SHM_RING must be >= 4096");
+  me_ = int(std::find(locals.begin(), locals.end(), rank) - locals.begin());
+  own_ = std::make_unique<ShmSegment>(int(locals.size()), opt_, rank);
+  peers_.resize(locals.size());
+  pidfds_.assign(locals.size(), -1);
+  for (size_t i = 0; i < locals.size(); ++i) {
+    out_.push_back(std::make_unique<Outgoing>());
+    in_.push_back(std::make_unique<InState>());
+    alive_[i].store(true);
+  }
+  slot_release_.assign(size_t(opt_.slots), 0);
+  // Spin less when the ranks of this host outnumber its cores: the peer we wait for needs our core.
+  spin_limit_ = int(locals.size()) > online_cpus() ? 64 : 20000;
+  if (const char* v = std::getenv("SUPERKERNEL_SPIN"); v && *v) spin_limit_ = std::atoi(v);
+}
+
+ShmProvider::~ShmProvider() {
+  stop_.store(true);
+  own_->control()->doorbell.fetch_add(1);
+  futex_wake_all(&own_->control()->doorbell);
+  if (progress_.joinable()) progress_.join();
+  for (int fd : pidfds_)
+    if (fd >= 0) ::close(fd);
+}
+
+std::string ShmProvider::descriptor() const { return own_->descriptor(); }
+
+void ShmProvider::attach(const std::vector<std::string>& descriptors, const Deadline& deadline) {
+  for (int j = 0; j < local_size(); ++j) {
+    if (j == me_) continue;
+    peers_[j] = std::make_unique<ShmSegment>(local_size(), opt_, rank_, locals_[j], descriptors.at(size_t(j)));
+    pidfds_[j] = pidfd_open(peers_[j]->pid());
+  }
+  (void)deadline;
+  progress_ = std::thread([this] { progress_loop(); });
+}
+
+char* ShmProvider::slot(int r, int s) const { return (r == me_ ? own_.get() : peers_[r].get())->slot(s); }
+
+std::atomic<uint64_t>* ShmProvider::slot_desc(int r, int s) const {
+  return (r == me_ ? own_.get() : peers_[r].get())->control()->desc[s];
+}
+
+uint64_t ShmProvider::step() const { return own_->control()->step.load(std::memory_order_relaxed); }
+
+uint64_t ShmProvider::publish() {
+  Control* c = own_->control();
+  const uint64_t v = c->step.load(std::memory_order_relaxed) + 1;
+  c->step.store(v, std::memory_order_seq_cst);
+  c->step_word.store(uint32_t(v), std::memory_order_seq_cst);
+  if (c->step_sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&c->step_word);
+  return v;
+}
+
+void ShmProvider::check_peer(int j, const char* op) {
+  if (aborted_.load()) throw PeerError(cat("mk ", op, ": rank ", rank_, ": communicator aborted: ", abort_reason_));
+  if (peers_[j]->control()->aborted.load())
+    throw PeerError(cat("mk ", op, ": rank ", rank_, ": peer ", locals_[j], " aborted the communicator"));
+  bool dead = false;
+  if (pidfds_[j] >= 0) {
+    pollfd p{pidfds_[j], POLLIN, 0};
+    dead = ::poll(&p, 1, 0) > 0;
+  } else {
+    dead = ::kill(peers_[j]->pid(), 0) != 0 && errno == ESRCH;
+  }
+  if (dead) {
+    const std::string why = cat("peer ", locals_[j], " (pid ", peers_[j]->pid(), ", same host) exited");
+    fail_peer(j, cat("rank ", rank_, ": ", why));
+    throw PeerError(cat("mk ", op, ": rank ", rank_, ": ", why));
+  }
+}
+
+void ShmProvider::wait_steps(uint64_t target, const Deadline& deadline, const char* op, const std::vector<int>& who) {
+  const uint64_t gen = cancel_generation().load(std::memory_order_acquire);
+  auto wait_one = [&](int j) {
+    if (j == me_) return;
+    Control* c = peers_[j]->control();
+    for (int spin = 0; spin < spin_limit_; ++spin) {
+      if (c->step.load(std::memory_order_acquire) >= target) return;
+      cpu_relax();
+    }
+    int round = 0;
+    while (c->step.load(std::memory_order_acquire) < target) {
+      if (spin_limit_ < 1000 && round < 16) {
+        ++round;
+        sched_yield();
+        continue;
+      }
+      check_peer(j, op);
+      if (cancel_generation().load(std::memory_order_acquire) != gen)
+        throw CancelledError(cat("mk ", op, ": rank ", rank_, ": cancelled by an interrupt while waiting for peer ", locals_[j]));
+      if (deadline.expired())
+        throw TimeoutError(cat("mk ", op, ": rank ", rank_, " timed out waiting for peer ", locals_[j],
+                               " (it has not reached this operation)"));
+      c->step_sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t w = c->step_word.load(std::memory_order_seq_cst);
+      if (c->step.load(std::memory_order_seq_cst) < target) futex_wait(&c->step_word, w, std::chrono::microseconds(10000));
+      c->step_sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  };
+  if (who.empty()) {
+    for (int j = 0; j < local_size(); ++j) wait_one(j);
+  } else {
+    for (int j : who) wait_one(j);
+  }
+}
+
+int ShmProvider::acquire_slot(const Deadline& deadline, const char* op) {
+  const int s = next_slot_;
+  next_slot_ = (next_slot_ + 1) % opt_.slots;
+  wait_steps(slot_release_[size_t(s)], deadline, op);
+  return s;
+}
+
+void ShmProvider::release_slot(int s, uint64_t step_when_done) { slot_release_[size_t(s)] = step_when_done; }
+
+// ---- point to point ----
+
+RequestPtr ShmProvider::isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check) {
+  const int j = int(std::find(locals_.begin(), locals_.end(), peer) - locals_.begin());
+  if (j >= local_size() || j == me_) throw Error(cat("mk shm: rank ", rank_, ": peer ", peer, " is not on this host"));
+  auto req = std::make_shared<Request>();
+  if (aborted_.load()) {
+    req->fail(cat("rank ", rank_, ": communicator aborted: ", abort_reason_));
+    return req;
+  }
+  if (!alive_[size_t(j)].load()) {
+    req->fail(cat("rank ", rank_, ": peer ", peer, " exited"));
+    return req;
+  }
+  {
+    std::lock_guard<std::mutex> lock(out_[j]->mu);
+    out_[j]->q.push_back(OutMsg{MsgHeader{tag, check, len}, static_cast<const char*>(buf), 0, req});
+  }
+  pump_sends(j);  // eager: usually the whole message fits in the ring right away
+  bool pending;
+  {
+    std::lock_guard<std::mutex> lock(out_[j]->mu);
+    pending = !out_[j]->q.empty();
+  }
+  if (pending) {  // let our progress thread finish it as the receiver frees ring space
+    Control* c = own_->control();
+    c->doorbell.fetch_add(1);
+    if (c->doorbell_sleeping.load()) futex_wake_all(&c->doorbell);
+  }
+  return req;
+}
+
+void ShmProvider::ring_doorbell(int j) {
+  Control* c = peers_[j]->control();
+  c->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (c->doorbell_sleeping.load(std::memory_order_seq_cst)) futex_wake_all(&c->doorbell);
+}
+
+bool ShmProvider::pump_sends(int j) {
+  std::vector<RequestPtr> done;
+  bool moved = false;
+  {
+    std::lock_guard<std::mutex> lock(out_[j]->mu);
+    auto& q = out_[j]->q;
+    if (q.empty() || !peers_[j]) return false;
+    RingHeader* rh = peers_[j]->ring_header(me_);
+    char* data = peers_[j]->ring_data(me_);
+    const size_t cap = opt_.ring;
+    uint64_t head = rh->head.load(std::memory_order_relaxed);
+    while (!q.empty()) {
+      OutMsg& m = q.front();
+      const size_t total = sizeof(MsgHeader) + m.hdr.len;
+      const uint64_t tail = rh->tail.load(std::memory_order_acquire);
+      size_t space = cap - size_t(head - tail);
+      if (space == 0) break;
+      while (space > 0 && m.done < total) {
+        const char* src;
+        size_t n;
+        if (m.done < sizeof(MsgHeader)) {
+          src = reinterpret_cast<const char*>(&m.hdr) + m.done;
+          n = sizeof(MsgHeader) - m.done;
+        } else {
+          src = m.data + (m.done - sizeof(MsgHeader));
+          n = total - m.done;
+        }
+        const size_t pos = size_t(head % cap);
+        n = std::min({n, space, cap - pos});
+        std::memcpy(data + pos, src, n);
+        head += n;
+        m.done += n;
+        space -= n;
+      }
+      moved = true;
+      rh->head.store(head, std::memory_order_release);
+      if (m.done < total) break;
+      done.push_back(m.req);
+      q.pop_front();
+    }
+  }
+  if (moved) ring_doorbell(j);
+  for (auto& r : done) r->complete(0, rank_);
+  return moved;
+}
+
+bool ShmProvider::drain_ring(int j) {
+  RingHeader* rh = own_->ring_header(j);
+  char* data = own_->ring_data(j);
+  const size_t cap = opt_.ring;
+  uint64_t tail = rh->tail.load(std::memory_order_relaxed);
+  const uint64_t head = rh->head.load(std::memory_order_acquire);
+  if (head == tail) return false;
+  InState& st = *in_[j];
+  auto take = [&](char* dst, size_t n) {
+    while (n > 0) {
+      const size_t pos = size_t(tail % cap);
+      const size_t k = std::min(n, cap - pos);
+      std::memcpy(dst, data + pos, k);
+      dst += k;
+      tail += k;
+      n -= k;
+    }
+  };
+  while (tail < head) {
+    if (st.hdr_got < sizeof(MsgHeader)) {
+      size_t n = std::min(size_t(head - tail), sizeof(MsgHeader) - st.hdr_got);
+      take(reinterpret_cast<char*>(&st.hdr) + st.hdr_got, n);
+      st.hdr_got += n;
+      if (st.hdr_got < sizeof(MsgHeader)) break;
+      st.cur = matcher_.arrive(Envelope{locals_[j], st.hdr.tag, size_t(st.hdr.len), st.hdr.check});
+      st.got = 0;
+    }
+    size_t n = std::min(size_t(head - tail), size_t(st.hdr.len) - st.got);
+    take(st.cur->dst + st.got, n);
+    st.got += n;
+    if (st.got == st.hdr.len) {
+      ArrivalPtr a = std::move(st.cur);
+      st.hdr_got = 0;
+      st.got = 0;
+      rh->tail.store(tail, std::memory_order_release);
+      matcher_.delivered(a);
+    }
+  }
+  rh->tail.store(tail, std::memory_order_release);
+  ring_doorbell(j);  // the sender may be waiting for space
+  return true;
+}
+
+void ShmProvider::progress_loop() {
+  Control* c = own_->control();
+  int idle = 0;
+  auto last_check = Clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    bool any = false;
+    for (int j = 0; j < local_size(); ++j) {
+      if (j == me_ || !alive_[size_t(j)].load()) continue;
+      any |= drain_ring(j);
+      any |= pump_sends(j);
+    }
+    if (any) {
+      idle = 0;
+      continue;
+    }
+    if (++idle < 200) {
+      cpu_relax();
+      continue;
+    }
+    const uint32_t bell = c->doorbell.load(std::memory_order_seq_cst);
+    c->doorbell_sleeping.store(1, std::memory_order_seq_cst);
+    bool work = false;
+    for (int j = 0; j < local_size() && !work; ++j) {
+      if (j == me_ || !alive_[size_t(j)].load()) continue;
+      RingHeader* rh = own_->ring_header(j);
+      work = rh->head.load() != rh->tail.load();
+      std::lock_guard<std::mutex> lock(out_[j]->mu);
+      work = work || !out_[j]->q.empty();
+    }
+    if (!work && c->doorbell.load(std::memory_order_seq_cst) == bell)
+      futex_wait(&c->doorbell, bell, std::chrono::microseconds(100000));
+    c->doorbell_sleeping.store(0, std::memory_order_seq_cst);
+    if (Clock::now() - last_check > std::chrono::milliseconds(100)) {
+      last_check = Clock::now();
+      for (int j = 0; j < local_size(); ++j) {
+        if (j == me_ || !alive_[size_t(j)].load()) continue;
+        try {
+          check_peer(j, "progress");
+        } catch (const Error&) {
+          // check_peer already failed everything that involved this peer
+        }
+      }
+    }
+    idle = work ? 0 : idle;
+  }
+}
+
+void ShmProvider::fail_peer(int j, const std::string& why) {
+  if (!alive_[size_t(j)].exchange(false)) return;
+  std::deque<OutMsg> q;
+  {
+    std::lock_guard<std::mutex> lock(out_[j]->mu);
+    q.swap(out_[j]->q);
+  }
+  for (auto& m : q) m.req->fail(why);
+  matcher_.fail_source(locals_[j], why);
+}
+
+void ShmProvider::abort(const std::string& why) {
+  if (aborted_.exchange(true)) return;
+  abort_reason_ = why;
+  Control* c = own_->control();
+  c->aborted.store(1);
+  c->step_word.fetch_add(1);
+  futex_wake_all(&c->step_word);
+  for (int j = 0; j < local_size(); ++j)
+    if (j != me_) fail_peer(j, cat("rank ", rank_, ": communicator aborted: ", why));
+}
+
+bool ShmProvider::peer_alive(int peer) const {
+  auto it = std::find(locals_.begin(), locals_.end(), peer);
+  if (it == locals_.end()) return false;
+  return alive_[size_t(it - locals_.begin())].load();
+}
+
+}  // namespace mk

@@ -1,0 +1,54 @@
+#include "transport/work.h"
+
+#include <c10/util/Exception.h>
+
+#include "transport/deadline.h"
+
+namespace mk {
+
+WorkMK::WorkMK(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+               std::chrono::milliseconds default_timeout)
+    : c10d::Work(rank, type, title), outputs_(std::move(outputs)), default_timeout_(default_timeout),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+void WorkMK::complete(std::exception_ptr eptr, int source_rank) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    source_rank_ = source_rank;
+  }
+  finish(eptr);
+  if (eptr)
+    future_->setError(eptr);
+  else
+    future_->markCompleted(c10::IValue(outputs_));
+}
+
+bool WorkMK::wait(std::chrono::milliseconds timeout) {
+  const uint64_t gen = cancel_generation().load();
+  const auto start = std::chrono::steady_clock::now();
+  if (timeout == kNoTimeout) timeout = default_timeout_;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!completed_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    if (completed_) break;
+    if (cancel_generation().load() != gen)
+      C10_THROW_ERROR(DistBackendError, c10::str("mk ", c10d::opTypeToString(opType_), ": rank ", rank_,
+                                                 ": wait cancelled by an interrupt"));
+    if (std::chrono::steady_clock::now() - start > timeout)
+      C10_THROW_ERROR(DistBackendError, c10::str("mk ", c10d::opTypeToString(opType_), ": rank ", rank_,
+                                                 ": Work.wait timed out after ", timeout.count(), " ms"));
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkMK::getFuture() { return future_; }
+
+std::vector<at::Tensor> WorkMK::result() { return outputs_; }
+
+int WorkMK::sourceRank() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return source_rank_;
+}
+
+}  // namespace mk

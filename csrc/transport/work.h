@@ -1,0 +1,33 @@
+// The c10d Work that ProcessGroupMK returns: completed by the group's worker thread (collectives) or by a
+// provider's progress thread (send/recv); wait() honours the timeout and interrupts; getFuture() resolves
+// to the output tensors, as Gloo's does.
+#pragma once
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <vector>
+
+namespace mk {
+
+class WorkMK : public c10d::Work {
+ public:
+  // wait() without a timeout waits at most default_timeout (the group's timeout).
+  WorkMK(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+         std::chrono::milliseconds default_timeout);
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override;
+  int sourceRank() const override;
+
+  // Mark done (eptr null) or failed; completes the future. Called once.
+  void complete(std::exception_ptr eptr, int source_rank = -1);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int source_rank_ = -1;
+  std::chrono::milliseconds default_timeout_;
+};
+
+}  // namespace mk
