@@ -52,6 +52,7 @@ class CellRun:
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)
     deaths: list[Death] = field(default_factory=list)
     progress_ids: dict[tuple[str, int], str] = field(default_factory=dict)
+    last_set: dict[str, tuple[int, ...]] = field(default_factory=dict)  # rank set of the last line, per stream
     cleared: bool = False
     finished: bool = False
     interrupted_at: float | None = None
@@ -256,7 +257,9 @@ class SuperKernel(IPythonKernel):
                 for rs, line in groups:
                     for r in rs:
                         self._last_lines[r].append(line)
-                self._send("stream", {"name": name, "text": render_lines(groups, label=cell.label)}, cell.parent)
+                text = render_lines(groups, label=cell.label, after=cell.last_set.get(name))
+                cell.last_set[name] = tuple(groups[-1][0])
+                self._send("stream", {"name": name, "text": text}, cell.parent)
 
     # -------------------------------------------------------------------------------------- execution
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,

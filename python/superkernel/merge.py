@@ -280,11 +280,26 @@ class StreamMerger:
         ]
 
 
-def render_lines(groups: Sequence[tuple[Sequence[int], str]], *, label: bool = True) -> str:
-    """``[((0, 1), "hi")]`` -> ``"[ranks 0,1] hi\\n"``; ``label=False`` prints the bare lines."""
+def render_lines(groups: Sequence[tuple[Sequence[int], str]], *, label: bool = True,
+                 after: Sequence[int] | None = None) -> str:
+    """``[((0, 1), "a"), ((0, 1), "b")]`` -> ``"[ranks 0,1] a\n            b\n"``.
+
+    A run of lines from the same rank set is labelled once; the following lines are indented under the
+    label. ``after`` is the rank set of the line printed just before (live output arrives in pieces), so
+    a run that continues across pieces is not labelled again. ``label=False`` prints the bare lines.
+    """
     if not label:
         return "".join(line + "\n" for _, line in groups)
-    return "".join(f"{rank_label(rs)} {line}\n" for rs, line in groups)
+    out = []
+    prev = tuple(after) if after is not None else None
+    for rs, line in groups:
+        tag = rank_label(rs)
+        if tuple(rs) == prev:
+            out.append(f"{' ' * len(tag)} {line}\n" if line else "\n")
+        else:
+            out.append(f"{tag} {line}\n")
+        prev = tuple(rs)
+    return "".join(out)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -66,6 +66,20 @@ class CellResult:
         return self.of_type("error")
 
 
+def labelled(text: str) -> list[tuple[str, str]]:
+    """Merged output -> (label, line) pairs; indented continuation lines get the label of their run."""
+    out: list[tuple[str, str]] = []
+    label = ""
+    for raw in text.splitlines():
+        if raw.startswith("["):
+            label, _, line = raw.partition("] ")
+            label += "]"
+        else:
+            line = raw[len(label) + 1:] if label else raw
+        out.append((label, line))
+    return out
+
+
 class KernelSession:
     def __init__(self, kernel_name: str, env: dict[str, str] | None = None) -> None:
         self.km = KernelManager(kernel_name=kernel_name)

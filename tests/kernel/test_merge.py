@@ -62,6 +62,13 @@ def test_identical_lines_collapse_and_order_is_kept():
     assert "[rank 2] I am 2" in text
 
 
+def test_render_labels_a_run_once():
+    groups = [((0, 1), "a"), ((0, 1), "b"), ((1,), "c"), ((0, 1), "d")]
+    assert render_lines(groups) == "[ranks 0,1] a\n            b\n[rank 1] c\n[ranks 0,1] d\n"
+    assert render_lines([((0, 1), "e")], after=(0, 1)) == "            e\n"
+    assert render_lines(groups, label=False) == "a\nb\nc\nd\n"
+
+
 def test_extra_line_on_one_rank_does_not_break_collapse():
     m = StreamMerger([0, 1])
     out = _collapse(m, {0: ["a", "only rank 0", "b"], 1: ["a", "b"]})
