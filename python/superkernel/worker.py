@@ -236,6 +236,14 @@ class Worker:
     def interrupt(self) -> None:
         if self.busy.is_set():
             signal.pthread_kill(self._main_ident, signal.SIGINT)
+            if "mk" in self.namespace.get("__superkernel_backend__", "").split(" (")[0]:
+                # a rank blocked in an mk collective: make the wait fail now, so the interrupt lands
+                try:
+                    from superkernel.backend import cancel_waits
+
+                    cancel_waits()
+                except Exception as e:
+                    log.warning("rank %d: cancelling mk waits failed: %s", self.rank, e)
 
     def _kernel_alive(self) -> bool:
         if self.info.kernel_host != socket.gethostname():

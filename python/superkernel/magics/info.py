@@ -20,6 +20,13 @@ def rank_row(ns: dict[str, Any]) -> dict[str, Any]:
         "memory": "-",
         "backend": ns.get("__superkernel_backend__", "-").split(" (")[0],
     }
+    if "mk" in row["backend"]:
+        try:
+            from superkernel.backend import transports
+
+            row["transports"] = transports()
+        except Exception:
+            pass
     torch = ns.get("torch")
     if torch is not None and torch.cuda.is_available() and row["device"].startswith("cuda"):
         free, total = torch.cuda.mem_get_info()
@@ -42,7 +49,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         kinds: dict[str, int] = {}
         for other in rows:
             if other["rank"] != r["rank"]:
-                t = _transport(r["backend"], other["host"] == r["host"])
+                known = r.get("transports")
+                if known and other["rank"] < len(known):
+                    t = known[other["rank"]]     # what the mk backend actually connected
+                else:
+                    t = _transport(r["backend"], other["host"] == r["host"])
                 kinds[t] = kinds.get(t, 0) + 1
         r["peers"] = ", ".join(f"{k}x{n}" for k, n in sorted(kinds.items())) or "-"
     cols = ["rank", "local", "host", "pid", "device", "memory", "backend", "peers"]
