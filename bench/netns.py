@@ -67,7 +67,7 @@ def summary(paths: dict[str, Path]) -> str:
     """Per rate: 8-byte allreduce latency and largest-size allreduce bus bandwidth of each backend."""
     lines = ["", "# summary: allreduce between the two namespace hosts",
              f"{'link':>8} | {'backend':>7} | {'lat 8 B (us)':>12} | {'largest':>9} | {'busbw (GB/s)':>12} | "
-             f"{'Gbit/s':>7}"]
+             f"{'busbw Gbit/s':>12}"]
     for label, path in paths.items():
         doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         rows = [r for r in doc["results"] if r["op"] == "allreduce"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from netns.hosts import (
+from .hosts import (
     NETNS_ETC,
     NetnsError,
     TwoHosts,
