@@ -20,8 +20,8 @@ namespace deletes its veth end, and the peer end with it.
 
 Usage (as root):
 
-    import sys; sys.path.insert(0, "<repo>/tests")
-    from netns.hosts import TwoHosts, run_torch_job, unavailable_reason
+    from tests.netns.hosts import TwoHosts, run_torch_job, unavailable_reason   # repo root on sys.path
+    # (or, from a test module under tests/:  from ..netns.hosts import ...)
 
     with TwoHosts(rate="1gbit") as hosts:
         results = run_torch_job(hosts, "script.py", ["--arg"], nproc_per_host=2, timeout=120)
