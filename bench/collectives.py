@@ -339,6 +339,18 @@ def _errors_by_rank(error: str, n: int) -> str:
                      for e, rs in groups.items())
 
 
+def _extension_stamp() -> str:
+    """Which superkernel._C is measured: its path and modification time (several builds may coexist)."""
+    try:
+        import superkernel._C as ext
+
+        path = Path(ext.__file__ or "?")
+        when = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        return f"{path} built {when}"
+    except Exception as e:  # noqa: BLE001 - informational only
+        return f"superkernel._C not inspectable ({type(e).__name__})"
+
+
 def setup_backends(wanted: list[str], launch: Launch, timeout: _dt.timedelta, dtype: str
                    ) -> dict[str, Backend]:
     import torch.distributed as dist
@@ -383,6 +395,7 @@ def setup_backends(wanted: list[str], launch: Launch, timeout: _dt.timedelta, dt
         detail = f"torch.distributed backend {name!r}"
         if name == "mk":
             detail += f", SUPERKERNEL_TRANSPORT={os.environ.get('SUPERKERNEL_TRANSPORT', 'auto (unset)')}"
+            detail += f", {_extension_stamp()}"
         out[name] = Backend(name, True, detail=detail, group=group)
     return out
 
