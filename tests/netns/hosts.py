@@ -198,6 +198,8 @@ class TwoHosts:
         if not re.fullmatch(r"(10\.\d{1,3}\.\d{1,3})|(192\.168\.\d{1,3})|(172\.(1[6-9]|2\d|3[01])\.\d{1,3})",
                             self.subnet):
             raise ValueError(f"subnet {self.subnet!r}: give the first three octets of a private /24")
+        if self.rate is not None:
+            parse_rate(self.rate)  # fail before anything is created
         base = f"{PREFIX}-{os.getpid()}-{next(_seq)}"
         shm = (lambda name: SHM_ROOT / name) if self.private_shm else (lambda name: None)
         self.a = NetnsHost(f"{base}-a", f"{base}-a", f"{self.subnet}.1", shm_dir=shm(f"{base}-a"))

@@ -39,9 +39,11 @@ def test_parse_rate() -> None:
         parse_rate("fast")
 
 
-def test_private_subnet_required() -> None:
+def test_private_subnet_and_valid_rate_required() -> None:
     with pytest.raises(ValueError, match="private /24"):
         TwoHosts(subnet="8.8.8")
+    with pytest.raises(ValueError, match="rate"):
+        TwoHosts(rate="1 gigabit")
 
 
 @needs_netns
