@@ -140,15 +140,12 @@ class SuperKernel(IPythonKernel):
 
     async def ensure_pool(self, parent: dict[str, Any]) -> Pool:
         """The running pool, waiting for it (with a progress display) if it is still starting."""
-        pool = self.pool
-        if pool is None:
-            raise PoolStartError("no pool: %restart starts one")
         if self._restarting.is_set():
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, lambda: _wait_clear(self._restarting, 60))
-            pool = self.pool
-            if pool is None:
-                raise PoolStartError("no pool: %restart starts one")
+        pool = self.pool
+        if pool is None:
+            raise PoolStartError("no pool: %restart starts one")
         if self.pool_down:
             raise PoolStartError(self.pool_down)
         if pool.ready.is_set():
@@ -229,6 +226,7 @@ class SuperKernel(IPythonKernel):
             cell = self._cell
             if cell is not None and not cell.finished:
                 cell.deaths.extend(d for d in deaths if d.rank in cell.ranks)
+                cell.deaths.sort(key=lambda d: d.order)
                 if cell.deaths:
                     cell.loop.call_soon_threadsafe(cell.done.set)
 

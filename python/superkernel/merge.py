@@ -15,7 +15,7 @@ and gets back what to publish. Conventions:
 from __future__ import annotations
 
 import re
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -143,6 +143,7 @@ class ProgressUpdate:
 class _RankQueue:
     splitter: LineSplitter = field(default_factory=LineSplitter)
     lines: deque[tuple[float, str]] = field(default_factory=deque)
+    queued: Counter[str] = field(default_factory=Counter)  # the texts in ``lines``, for O(1) lookahead
     emitted: int = 0
     dropped: int = 0
     finished: bool = False
@@ -166,14 +167,12 @@ class StreamMerger:
         mode: str = "collapse",
         hold: float = 0.1,
         max_lines: int = 0,
-        lookahead: int = 64,
     ) -> None:
         if mode not in ("collapse", "raw"):
             raise ValueError(f"unknown output mode {mode!r} (collapse|raw)")
         self.mode = mode
         self.hold = hold
         self.max_lines = max_lines
-        self.lookahead = lookahead
         self._q: dict[int, _RankQueue] = {r: _RankQueue() for r in ranks}
         self._raw_out: list[tuple[tuple[int, ...], str]] = []
         self._progress_updates: list[ProgressUpdate] = []
@@ -203,6 +202,7 @@ class StreamMerger:
             self._raw_out.append(((rank,), line))
         else:
             q.lines.append((now, line))
+            q.queued[line] += 1
 
     def finish(self, rank: int, now: float = 0.0) -> None:
         q = self._q.setdefault(rank, _RankQueue())
@@ -245,13 +245,20 @@ class StreamMerger:
             groups: dict[str, list[int]] = {}
             for r, (_, line) in sorted(heads.items()):
                 groups.setdefault(line, []).append(r)
-            ready = [
-                (line, rs) for line, rs in groups.items() if not self._appears_later(line, rs)
-            ] or list(groups.items())
+            if len(groups) == 1:
+                ready = list(groups.items())
+            else:
+                ready = [
+                    (line, rs) for line, rs in groups.items() if not self._appears_later(line, rs)
+                ] or list(groups.items())
             for line, rs in sorted(ready, key=lambda item: item[1][0]):
                 for r in rs:
-                    self._q[r].lines.popleft()
-                    self._q[r].emitted += 1
+                    q = self._q[r]
+                    q.lines.popleft()
+                    q.queued[line] -= 1
+                    if not q.queued[line]:
+                        del q.queued[line]
+                    q.emitted += 1
                 out.append((tuple(rs), line))
         return out
 
@@ -260,13 +267,8 @@ class StreamMerger:
         for r, q in self._q.items():
             if r in holders or not q.lines:
                 continue
-            for i, (_, other) in enumerate(q.lines):
-                if i == 0:
-                    continue
-                if i > self.lookahead:
-                    break
-                if other == line:
-                    return True
+            if q.queued.get(line, 0) > (1 if q.lines[0][1] == line else 0):
+                return True
         return False
 
     def _cap_notes(self) -> list[tuple[tuple[int, ...], str]]:

@@ -78,6 +78,12 @@ class Death:
     host: str
     exitcode: int | None      # negative: killed by signal -exitcode
     detail: str = ""
+    root_cause: bool = False  # the launcher names this rank as the first failure
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        """Sort key: the root cause first, then ranks that did not just get the launcher's SIGTERM."""
+        return (0 if self.root_cause else 1, 1 if self.exitcode == -signal.SIGTERM else 0, self.rank)
 
     def describe(self) -> str:
         if self.exitcode is None:
@@ -123,6 +129,7 @@ class Pool:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._launcher_output: collections.deque[str] = collections.deque(maxlen=200)
         self._exit_codes: dict[int, int] = {}   # pid -> exit code, from the launcher's report
+        self._root_cause_pid: int | None = None
         self._stop = threading.Event()
         self._closing = False
         self._dir = tempfile.mkdtemp(prefix="superkernel-pool-")
@@ -229,6 +236,7 @@ class Pool:
             m = _TORCHRUN_FAIL.search(line)
             if m:
                 self._exit_codes[int(m.group(3))] = int(m.group(1))
+                self._root_cause_pid = int(m.group(3))
             m = _TORCHRUN_SIGNAL.search(line)
             if m:
                 self._exit_codes.setdefault(int(m.group(2)), -int(m.group(1)))
@@ -316,9 +324,10 @@ class Pool:
         for g in gone:
             code = self._exit_codes.get(g.pid)
             detail = "" if code is not None or self.spec.local else f"no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s"
-            d = Death(g.rank, g.pid, g.host, code, detail)
+            d = Death(g.rank, g.pid, g.host, code, detail, root_cause=g.pid == self._root_cause_pid)
             self.dead[g.rank] = d
             deaths.append(d)
+        deaths.sort(key=lambda d: d.order)
         self.listener.on_death(deaths)
 
     def _plain_exit_code(self, gone: list[RankInfo]) -> bool:
