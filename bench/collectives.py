@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from report import (  # noqa: E402
-    ALL_OPS, BACKEND_ORDER, bus_factor, format_header, format_op_table, format_size, plot)
+    ALL_OPS, BACKEND_ORDER, bus_factor, format_header, format_op_table, format_size, format_targets, plot)
 
 DTYPES = ("float32", "float64", "int32", "bfloat16", "float16")
 MPI_DTYPES = ("float32", "float64", "int32")  # numpy + Open MPI reductions; no 16-bit floats
@@ -602,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print("\n" + format_op_table(doc, op, args.p50), flush=True)
     if rank == 0:
+        targets = format_targets(doc)
+        if targets:
+            print("\n" + targets, flush=True)
         write_outputs(doc, args, launch)
     dist.barrier()
     dist.destroy_process_group()

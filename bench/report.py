@@ -146,10 +146,56 @@ def format_header(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_targets(doc: dict[str, Any]) -> str:
+    """mk against the targets of issue 2 (reported, not asserted): on 2 ranks of one host the 16 MiB
+    allreduce bus bandwidth (>= 5x Gloo, >= MPI) and the 8 B allreduce latency (<= Gloo/10, <= MPI); across
+    hosts the largest allreduce's bandwidth (>= Gloo); everywhere the (op, size) points where mk is slower
+    than Gloo."""
+    backends = available_backends(doc)
+    if "mk" not in backends or len(backends) < 2:
+        return ""
+    by = {(r["op"], r["backend"], r["bytes"]): r for r in doc["results"]}
+    lines = ["# targets (issue 2; x = how many times faster mk is):"]
+
+    def speedup(op: str, size: int, base: str) -> float | None:
+        mk, other = by.get((op, "mk", size)), by.get((op, base, size))
+        return None if mk is None or other is None else other["lat_us"] / mk["lat_us"]
+
+    one_host = len(set(doc["meta"].get("hosts") or [None])) == 1
+    if not one_host:
+        sizes = sorted(b for (op, be, b) in by if op == "allreduce" and be == "mk")
+        x = speedup("allreduce", sizes[-1], "gloo") if sizes else None
+        if x is not None:
+            lines.append(f"#   between hosts, allreduce {format_size(sizes[-1])} bandwidth vs gloo {x:.3g}x "
+                         f"(want >= 1x: {'met' if x >= 1.0 else 'NOT met'})")
+    elif doc["meta"]["world_size"] == 2:
+        for size, label, goal in ((16 << 20, "allreduce 16 MiB bus bandwidth", {"gloo": 5.0, "mpi": 1.0}),
+                                  (8, "allreduce 8 B latency", {"gloo": 10.0, "mpi": 1.0})):
+            parts = []
+            for base, want in goal.items():
+                x = speedup("allreduce", size, base)
+                if x is not None:
+                    parts.append(f"vs {base} {x:.3g}x (want >= {want:g}x: {'met' if x >= want else 'NOT met'})")
+            if parts:
+                lines.append(f"#   {label}: " + ", ".join(parts))
+    if "gloo" in backends:
+        slower = [(r["op"], r["bytes"]) for r in doc["results"] if r["backend"] == "mk"
+                  and (x := speedup(r["op"], r["bytes"], "gloo")) is not None and x < 1.0]
+        if slower:
+            lines.append(f"#   mk slower than gloo at {len(slower)} point(s): "
+                         + ", ".join(f"{op} {format_size(b) if op != 'barrier' else ''}".strip()
+                                     for op, b in slower))
+        else:
+            lines.append("#   mk is never slower than gloo here")
+    return "\n".join(lines)
+
+
 def format_report(doc: dict[str, Any], ops: Iterable[str] | None = None, p50: bool = False) -> str:
     present = {r["op"] for r in doc["results"]}
     chosen = [op for op in (ops or ALL_OPS) if op in present]
-    return "\n\n".join([format_header(doc)] + [format_op_table(doc, op, p50) for op in chosen])
+    parts = [format_header(doc)] + [format_op_table(doc, op, p50) for op in chosen]
+    targets = format_targets(doc)
+    return "\n\n".join(parts + ([targets] if targets else []))
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
@@ -225,5 +271,6 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["bus_factor", "format_report", "format_op_table", "plot", "format_size", "ALL_OPS", "SIZED_OPS",
+__all__ = ["bus_factor", "format_report", "format_op_table", "format_targets", "plot", "format_size", "ALL_OPS",
+           "SIZED_OPS",
            "BACKEND_ORDER"]
