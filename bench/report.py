@@ -146,6 +146,12 @@ def format_header(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _verdict(x: float, want: float) -> str:
+    if x >= want:
+        return "met"
+    return "NOT met, within 5%" if x >= 0.95 * want else "NOT met"
+
+
 def format_targets(doc: dict[str, Any]) -> str:
     """mk against the targets of issue 2 (reported, not asserted): on 2 ranks of one host the 16 MiB
     allreduce bus bandwidth (>= 5x Gloo, >= MPI) and the 8 B allreduce latency (<= Gloo/10, <= MPI); across
@@ -167,7 +173,7 @@ def format_targets(doc: dict[str, Any]) -> str:
         x = speedup("allreduce", sizes[-1], "gloo") if sizes else None
         if x is not None:
             lines.append(f"#   between hosts, allreduce {format_size(sizes[-1])} bandwidth vs gloo {x:.3g}x "
-                         f"(want >= 1x: {'met' if x >= 1.0 else 'NOT met'})")
+                         f"(want >= 1x: {_verdict(x, 1.0)})")
     elif doc["meta"]["world_size"] == 2:
         for size, label, goal in ((16 << 20, "allreduce 16 MiB bus bandwidth", {"gloo": 5.0, "mpi": 1.0}),
                                   (8, "allreduce 8 B latency", {"gloo": 10.0, "mpi": 1.0})):
@@ -175,7 +181,7 @@ def format_targets(doc: dict[str, Any]) -> str:
             for base, want in goal.items():
                 x = speedup("allreduce", size, base)
                 if x is not None:
-                    parts.append(f"vs {base} {x:.3g}x (want >= {want:g}x: {'met' if x >= want else 'NOT met'})")
+                    parts.append(f"vs {base} {x:.3g}x (want >= {want:g}x: {_verdict(x, want)})")
             if parts:
                 lines.append(f"#   {label}: " + ", ".join(parts))
     if "gloo" in backends:
