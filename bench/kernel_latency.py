@@ -43,10 +43,14 @@ class Client:
         self.kc.wait_for_ready(timeout=120)
 
     def run(self, code: str, timeout: float = 600) -> tuple[float, str, str]:
-        """(seconds until idle, reply status, concatenated stdout)."""
+        """(seconds until idle, reply status, stdout plus the final text of every display).
+
+        ipyparallel's %px shows engine output as displays updated in place, so those count as delivered text.
+        """
         t0 = time.perf_counter()
         msg_id = self.kc.execute(code)
         out: list[str] = []
+        displays: dict[str, str] = {}
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -57,13 +61,16 @@ class Client:
                 continue
             if m["msg_type"] == "stream" and m["content"]["name"] == "stdout":
                 out.append(m["content"]["text"])
+            elif m["msg_type"] in ("display_data", "update_display_data"):
+                key = m["content"].get("transient", {}).get("display_id") or m["header"]["msg_id"]
+                displays[key] = m["content"]["data"].get("text/plain", "")
             if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
                 break
         while True:
             reply = self.kc.get_shell_msg(timeout=30)
             if reply["parent_header"].get("msg_id") == msg_id:
                 break
-        return time.perf_counter() - t0, reply["content"]["status"], "".join(out)
+        return time.perf_counter() - t0, reply["content"]["status"], "".join(out) + "".join(displays.values())
 
     def close(self) -> None:
         self.kc.stop_channels()

@@ -36,10 +36,17 @@ class RankOutStream(OutStream):
             return 0
         return super().write(string)
 
-    def sync(self, timeout: float = 1.0) -> bool:
-        """Wait until everything written to the fd so far has reached this stream."""
+    def start_sync(self) -> bool:
+        """Write the marker; :meth:`wait_sync` then waits for it. False when there is no fd to watch."""
         if getattr(self, "_fid", None) is None:
-            return True
+            return False
         self._synced.clear()
         os.write(self._original_stdstream_fd, SYNC.encode())
+        return True
+
+    def wait_sync(self, timeout: float = 1.0) -> bool:
         return self._synced.wait(timeout)
+
+    def sync(self, timeout: float = 1.0) -> bool:
+        """Wait until everything written to the fd so far has reached this stream."""
+        return self.wait_sync(timeout) if self.start_sync() else True

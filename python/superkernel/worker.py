@@ -284,11 +284,16 @@ class Worker:
         self.pub.stop()
 
     def flush(self) -> None:
-        """Send everything this rank printed so far, including fd-level output still in the pipes."""
-        for s in (self.stdout, self.stderr):
-            s.sync()
-        self.stdout.flush()
-        self.stderr.flush()
+        """Queue everything this rank printed so far (fd-level output included) ahead of what is sent next.
+
+        Both fds get their sync marker at once; then both streams' flushes are scheduled on the IOPub thread,
+        whose queue is FIFO, so a reply sent afterwards cannot overtake them (no need to wait for the sends).
+        """
+        started = [s for s in (self.stdout, self.stderr) if s.start_sync()]
+        for s in started:
+            s.wait_sync()
+        self.pub.schedule(self.stdout._flush)
+        self.pub.schedule(self.stderr._flush)
 
     def do_execute(self, msg: dict[str, Any]) -> None:
         c = msg["content"]
