@@ -63,12 +63,15 @@ def ratio_pairs(backends: Sequence[str]) -> list[tuple[str, str]]:
     return [(subject, other) for other in backends[1:]]
 
 
-def format_op_table(doc: dict[str, Any], op: str, p50: bool = False) -> str:
+def format_op_table(doc: dict[str, Any], op: str, p50: bool = False, sizes: set[int] | None = None) -> str:
     """One OSU-style block for ``op``: a header, then one row per size (barrier: one row). ``p50`` adds the
     median over iterations of the slowest rank's time per iteration next to the average."""
     meta = doc["meta"]
     backends = available_backends(doc)
     rows = [r for r in doc["results"] if r["op"] == op]
+    if sizes is not None and op != "barrier":
+        keep = _nearest_present(sorted({r["bytes"] for r in rows}), sizes)
+        rows = [r for r in rows if r["bytes"] in keep]
     by_key = {(r["backend"], r["bytes"]): r for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
     pairs = ratio_pairs(backends)
@@ -111,6 +114,12 @@ def format_op_table(doc: dict[str, Any], op: str, p50: bool = False) -> str:
             lines.append(f"# ! {e['backend']} {op} failed at {format_size(e['bytes'])} on "
                          f"{e.get('failed_ranks', '?')} of {doc['meta']['world_size']} ranks: {e['error']}")
     return "\n".join(lines)
+
+
+def _nearest_present(present: list[int], wanted: set[int]) -> set[int]:
+    """For each wanted size the smallest measured size >= it (allgather & co. round tiny sizes up to one
+    element per rank)."""
+    return {next(p for p in present if p >= w) for w in wanted if present and present[-1] >= w}
 
 
 def _lat(r: dict[str, Any] | None, key: str = "lat_us") -> str:
@@ -196,10 +205,11 @@ def format_targets(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_report(doc: dict[str, Any], ops: Iterable[str] | None = None, p50: bool = False) -> str:
+def format_report(doc: dict[str, Any], ops: Iterable[str] | None = None, p50: bool = False,
+                  sizes: set[int] | None = None) -> str:
     present = {r["op"] for r in doc["results"]}
     chosen = [op for op in (ops or ALL_OPS) if op in present]
-    parts = [format_header(doc)] + [format_op_table(doc, op, p50) for op in chosen]
+    parts = [format_header(doc)] + [format_op_table(doc, op, p50, sizes) for op in chosen]
     targets = format_targets(doc)
     return "\n\n".join(parts + ([targets] if targets else []))
 
@@ -259,15 +269,24 @@ def plot(doc: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult != 1 else text) * mult)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Re-print (and re-plot) a saved collectives benchmark.")
     parser.add_argument("json_path")
     parser.add_argument("--plot", metavar="PNG", help="also write the plot to this path")
     parser.add_argument("--p50", action="store_true", help="show the median latency beside the average")
+    parser.add_argument("--ops", help="comma-separated ops to show (default: all)")
+    parser.add_argument("--sizes", help="comma-separated sizes to show, e.g. 8,1K,1M,16M (default: all)")
     args = parser.parse_args()
     with open(args.json_path, encoding="utf-8") as f:
         doc = json.load(f)
-    print(format_report(doc, p50=args.p50))
+    sizes = {_parse_size(x) for x in args.sizes.split(",")} if args.sizes else None
+    print(format_report(doc, args.ops.split(",") if args.ops else None, args.p50, sizes))
     if args.plot:
         plot(doc, args.plot)
         print(f"# plot: {args.plot}")
