@@ -123,6 +123,7 @@ class Pool:
         self.ranks: dict[int, RankInfo] = {}
         self.dead: dict[int, Death] = {}
         self.ready = threading.Event()
+        self.expected = spec.nranks    # the world size the ranks report (differs on several hosts)
         self.failed: str | None = None
         self.started_at = 0.0
         self.ready_at = 0.0
@@ -130,6 +131,7 @@ class Pool:
         self._launcher_output: collections.deque[str] = collections.deque(maxlen=200)
         self._exit_codes: dict[int, int] = {}   # pid -> exit code, from the launcher's report
         self._root_cause_pid: int | None = None
+        self._rank_exit_codes: dict[int, int] = {}  # rank -> exit code (mpirun reports ranks, often PID 0)
         self._stop = threading.Event()
         self._closing = False
         self._dir = tempfile.mkdtemp(prefix="superkernel-pool-")
@@ -146,8 +148,11 @@ class Pool:
     def launch_commands(self) -> list[list[str]]:
         n = self.spec.nranks
         if self.spec.flavor == "torch":
-            return [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                     "--monitor-interval=0.1", *self.spec.launcher_args, "-m", "superkernel.worker",
+            extra = self.spec.launcher_args
+            multi = any(a.split("=")[0] in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint") for a in extra)
+            rdzv = [] if multi else ["--standalone"]   # several hosts: the user's --nnodes/--rdzv-endpoint
+            return [[sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={n}",
+                     "--monitor-interval=0.1", *extra, "-m", "superkernel.worker",
                      "--connection-file", self._conn_file, "--flavor", "torch"]]
         if self.spec.flavor == "mpi":
             mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
@@ -193,14 +198,14 @@ class Pool:
         while not self.ready.wait(0.05):
             if progress and len(self.ranks) != seen:
                 seen = len(self.ranks)
-                progress(seen, self.spec.nranks)
+                progress(seen, self.expected)
             if self.failed:
                 raise PoolStartError(self.failed)
             if time.monotonic() > deadline:
                 raise PoolStartError(f"pool did not start within {timeout or self.spec.start_timeout:.0f} s; "
                                      f"{len(self.ranks)}/{self.spec.nranks} ranks ready.\n" + self.launcher_tail())
         if progress:
-            progress(self.spec.nranks, self.spec.nranks)
+            progress(self.expected, self.expected)
 
     def launcher_tail(self, n: int = 30) -> str:
         return "\n".join(list(self._launcher_output)[-n:])
@@ -211,10 +216,10 @@ class Pool:
 
     @property
     def world_size(self) -> int:
-        return self.spec.nranks
+        return self.expected
 
     def alive_ranks(self) -> list[int]:
-        return [r for r in range(self.spec.nranks) if r not in self.dead]
+        return [r for r in range(self.expected) if r not in self.dead]
 
     def signal_ranks(self, ranks: list[int], sig: int) -> None:
         for r in ranks:
@@ -242,7 +247,9 @@ class Pool:
                 self._exit_codes.setdefault(int(m.group(2)), -int(m.group(1)))
             m = _MPI_SIGNAL.search(line)
             if m:
-                self._exit_codes[int(m.group(2))] = -int(m.group(3))
+                self._rank_exit_codes[int(m.group(1))] = -int(m.group(3))
+                if self._root_cause_pid is None:
+                    self._root_cause_pid = -1 - int(m.group(1))  # marks the rank, see _known_code
 
     def _dispatch_loop(self) -> None:
         next_check = 0.0
@@ -278,7 +285,8 @@ class Pool:
             self.ranks[ev.rank] = RankInfo(ev.rank, c["pid"], c["host"], c["local_rank"], c["world_size"],
                                            c["backend"], c["device"], last_beat=time.monotonic())
             log.info("rank %d ready: pid %d on %s, %s", ev.rank, c["pid"], c["host"], c["backend"])
-            if len(self.ranks) == self.spec.nranks:
+            self.expected = int(c["world_size"])
+            if len(self.ranks) == self.expected:
                 self.ready_at = time.monotonic()
                 self.ready.set()
             return
@@ -313,8 +321,8 @@ class Pool:
         if not gone:
             return
         # give the launcher a moment to report how the rank(s) ended
-        deadline = time.monotonic() + 0.8
-        while time.monotonic() < deadline and any(g.pid not in self._exit_codes for g in gone):
+        deadline = time.monotonic() + 1.2
+        while time.monotonic() < deadline and any(self._known_code(g) is None for g in gone):
             code = self._plain_exit_code(gone)
             if code:
                 break
@@ -322,13 +330,18 @@ class Pool:
         self._plain_exit_code(gone)
         deaths = []
         for g in gone:
-            code = self._exit_codes.get(g.pid)
+            code = self._known_code(g)
             detail = "" if code is not None or self.spec.local else f"no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s"
-            d = Death(g.rank, g.pid, g.host, code, detail, root_cause=g.pid == self._root_cause_pid)
+            root = self._root_cause_pid in (g.pid, -1 - g.rank)
+            d = Death(g.rank, g.pid, g.host, code, detail, root_cause=root)
             self.dead[g.rank] = d
             deaths.append(d)
         deaths.sort(key=lambda d: d.order)
         self.listener.on_death(deaths)
+
+    def _known_code(self, info: RankInfo) -> int | None:
+        code = self._exit_codes.get(info.pid)
+        return code if code is not None else self._rank_exit_codes.get(info.rank)
 
     def _plain_exit_code(self, gone: list[RankInfo]) -> bool:
         """Plain workers are our children: their exit status is exact."""
