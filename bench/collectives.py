@@ -48,6 +48,7 @@ from report import (  # noqa: E402
 
 DTYPES = ("float32", "float64", "int32", "bfloat16", "float16")
 MPI_DTYPES = ("float32", "float64", "int32")  # numpy + Open MPI reductions; no 16-bit floats
+WARMUP_CALLS = 200  # small allreduces per backend before the first measurement
 QUICK_SIZES = (8, 1 << 10, 64 << 10, 1 << 20, 16 << 20)
 
 
@@ -432,6 +433,16 @@ def _median_of_slowest(stamps: list[float]) -> float:
     return durations.median().item()
 
 
+def warm_up_backends(backends: list[Backend], dtype: str, rank: int, n: int) -> None:
+    """A few small allreduces and barriers on every backend, so that one-time costs (connections, mappings,
+    first-touch) do not land in the first measured point."""
+    for b in backends:
+        case = b.case("allreduce", Shape(2, 2, 4), dtype, rank, n)
+        for _ in range(WARMUP_CALLS):
+            case.run()
+        b.barrier()
+
+
 def measure(case: Case, backend: Backend, budget: Budget) -> dict[str, Any]:
     check = case.check()
     check_all = "ok" if _all_agree(check == "ok") else (check if check != "ok" else "wrong on another rank")
@@ -441,7 +452,7 @@ def measure(case: Case, backend: Backend, budget: Budget) -> dict[str, Any]:
         case.run()
     probe, _, _ = _rank_stats((time.perf_counter() - t0) / 2)
     iters = int(min(budget.max_iters, max(budget.min_iters, math.ceil(budget.seconds / max(probe, 1e-9)))))
-    warmup = min(budget.warmup_max, max(1, iters // 10))
+    warmup = min(budget.warmup_max, max(2, iters // 5))
     for _ in range(warmup):
         case.run()
     backend.barrier()
@@ -496,7 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="target seconds of timed iterations per (op, size, backend) (default 0.1, quick 0.04)")
     p.add_argument("--min-iters", type=int, default=None, help="default 5 (quick 3)")
     p.add_argument("--max-iters", type=int, default=1000)
-    p.add_argument("--warmup-max", type=int, default=20, help="at most this many warm-up calls (default 20)")
+    p.add_argument("--warmup-max", type=int, default=50,
+                   help="warm-up calls: a fifth of the timed iterations, at most this many (default 50)")
     p.add_argument("--timeout", type=float, default=120.0, help="torch group timeout, seconds (default 120)")
     p.add_argument("--out-dir", default=str(HERE / "results"), help="where JSON and PNG go (bench/results)")
     p.add_argument("--tag", default="", help="file name tag (default: <n>r-<launcher>-<date>)")
@@ -561,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     broken: dict[tuple[str, str], str] = {}
     live = [b for b in backends.values() if b.available]
+    warm_up_backends(live, args.dtype, rank, n)
     if rank == 0:
         print(format_header(doc), flush=True)
     budget = Budget(args.time, args.min_iters, args.max_iters, args.warmup_max)
