@@ -387,12 +387,26 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] == "Z"
 
 
+RDZV_MODES = ("static", "c10d")
+
+
 def torchrun_argv(script: str, script_args: Sequence[str], nnodes: int, node_rank: int, nproc_per_node: int,
-                  master_addr: str, master_port: int, python: str = sys.executable) -> list[str]:
-    """torchrun with a static rendezvous at ``master_addr:master_port`` (the TCPStore lives on node 0)."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-            f"--nproc-per-node={nproc_per_node}", f"--master-addr={master_addr}",
-            f"--master-port={master_port}", script, *script_args]
+                  master_addr: str, master_port: int, python: str = sys.executable, rdzv: str = "static",
+                  run_id: str = "sk-netns") -> list[str]:
+    """torchrun for one node of an ``nnodes``-node job.
+
+    static: ``--node-rank`` fixed, TCPStore of node 0 at ``master_addr:master_port``.
+    c10d: torchrun's dynamic rendezvous at ``master_addr:master_port`` (node ranks in order of arrival; the
+    node whose address is the endpoint hosts the store).
+    """
+    common = [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"]
+    if rdzv == "static":
+        return [*common, f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+                f"--master-port={master_port}", script, *script_args]
+    if rdzv == "c10d":
+        return [*common, "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}",
+                f"--rdzv-id={run_id}", script, *script_args]
+    raise ValueError(f"rdzv {rdzv!r}: choose one of {RDZV_MODES}")
 
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -411,14 +425,15 @@ def job_env(host: NetnsHost, extra: Mapping[str, str] | None = None) -> dict[str
 
 def run_torch_job(hosts: TwoHosts, script: str, script_args: Sequence[str] = (), nproc_per_host: int = 2,
                   timeout: float = 120.0, env: Mapping[str, str] | None = None, master_port: int = 29500,
-                  python: str = sys.executable) -> list[ProcResult]:
-    """Run ``script`` as one torch job of 2 × ``nproc_per_host`` ranks: torchrun in each host, node rank 0 in
-    host a (ranks 0..n-1), node rank 1 in host b, rendezvous at host a's veth address. Returns one
-    ProcResult per host (a first). ``env`` adds variables for both hosts."""
+                  python: str = sys.executable, rdzv: str = "static") -> list[ProcResult]:
+    """Run ``script`` as one torch job of 2 × ``nproc_per_host`` ranks: torchrun in each host, rendezvous at
+    host a's veth address. With ``rdzv="static"`` host a is node 0 (ranks 0..n-1) and host b node 1; with
+    ``"c10d"`` torchrun's dynamic rendezvous assigns the node ranks. Returns one ProcResult per host (a
+    first). ``env`` adds variables for both hosts."""
     jobs = []
     for node_rank, host in enumerate(hosts.hosts):
         argv = torchrun_argv(script, script_args, 2, node_rank, nproc_per_host, hosts.a.address, master_port,
-                             python)
+                             python, rdzv, run_id=f"{hosts.a.netns}-job")
         jobs.append((host, argv, job_env(host, env)))
     return hosts.run_parallel(jobs, timeout)
 

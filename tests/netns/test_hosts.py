@@ -108,24 +108,28 @@ def test_stale_namespaces_of_dead_processes_are_removed() -> None:
 @needs_netns
 @pytest.mark.netns
 @pytest.mark.slow
-def test_gloo_allreduce_2x2_across_hosts() -> None:
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_gloo_allreduce_2x2_across_hosts(rdzv: str) -> None:
     with TwoHosts() as hosts:
         before = hosts.a.link_bytes()
         results = run_torch_job(hosts, str(HERE / "allreduce_job.py"), ["--backend", "gloo", "--mib", "4"],
-                                nproc_per_host=2, timeout=180)
+                                nproc_per_host=2, timeout=180, rdzv=rdzv)
         after = hosts.a.link_bytes()
     for r in results:
         assert not r.timed_out and r.returncode == 0, r.describe()
     lines = [json.loads(line) for r in results for line in r.stdout.splitlines() if line.startswith("{")]
     by_rank = {d["rank"]: d for d in lines}
     assert sorted(by_rank) == [0, 1, 2, 3], "\n".join(r.describe() for r in results)
+    # static: host a is node 0; c10d: either host may be node 0, but each node holds two consecutive ranks.
+    first, second = ((hosts.a.hostname, hosts.b.hostname) if rdzv == "static" or by_rank[0]["hostname"] ==
+                     hosts.a.hostname else (hosts.b.hostname, hosts.a.hostname))
     for rank, d in by_rank.items():
         assert d["world_size"] == 4
         assert d["ok"], d
         assert d["small"] == [10.0, 10.0]
         assert d["large_min"] == d["large_max"] == 10.0
-        assert d["hostname"] == (hosts.a.hostname if rank < 2 else hosts.b.hostname)
-        assert d["hosts"] == [hosts.a.hostname] * 2 + [hosts.b.hostname] * 2
+        assert d["hostname"] == (first if rank < 2 else second)
+        assert d["hosts"] == [first] * 2 + [second] * 2
     # The 4 MiB allreduce between the hosts went through the veth pair, both ways.
     rx, tx = after[0] - before[0], after[1] - before[1]
     assert rx > 2 << 20 and tx > 2 << 20, (rx, tx)
