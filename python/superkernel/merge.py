@@ -156,7 +156,8 @@ class StreamMerger:
     ``add(rank, text, now)`` buffers; ``take(now)`` returns ``(ranks, line)`` pairs ready to print, in
     an order that keeps every rank's own order. In ``collapse`` mode a line is held back up to ``hold``
     seconds waiting for the other unfinished ranks, so that identical lines printed at about the same
-    time by several ranks come out once. ``finish(rank)`` says a rank will print no more for this cell;
+    time by several ranks come out once (``finish_hold`` when the lines left belong to ranks that already
+    finished the cell: the last lines of a cell tend to arrive together with the rank's reply). ``finish(rank)`` says a rank will print no more for this cell;
     ``take(now, final=True)`` drains everything.
     """
 
@@ -166,12 +167,14 @@ class StreamMerger:
         *,
         mode: str = "collapse",
         hold: float = 0.1,
+        finish_hold: float = 1.0,
         max_lines: int = 0,
     ) -> None:
         if mode not in ("collapse", "raw"):
             raise ValueError(f"unknown output mode {mode!r} (collapse|raw)")
         self.mode = mode
         self.hold = hold
+        self.finish_hold = finish_hold
         self.max_lines = max_lines
         self._q: dict[int, _RankQueue] = {r: _RankQueue() for r in ranks}
         self._raw_out: list[tuple[tuple[int, ...], str]] = []
@@ -240,8 +243,11 @@ class StreamMerger:
                 break
             waiting = [r for r, q in self._q.items() if not q.lines and not q.finished]
             oldest = min(t for t, _ in heads.values())
-            if waiting and not final and now - oldest < self.hold:
-                break  # give the silent ranks a moment to print the same line
+            # give the silent ranks a moment to print the same line; a little longer when only ranks that
+            # already finished the cell have lines left (the others are about to finish too)
+            limit = self.finish_hold if all(self._q[r].finished for r in heads) else self.hold
+            if waiting and not final and now - oldest < limit:
+                break
             groups: dict[str, list[int]] = {}
             for r, (_, line) in sorted(heads.items()):
                 groups.setdefault(line, []).append(r)

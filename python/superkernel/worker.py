@@ -194,7 +194,13 @@ class Worker:
     # -- sending --
     def send(self, msg_type: str, content: dict[str, Any], parent: dict[str, Any] | None = None,
              buffers: list[bytes] | None = None) -> None:
-        self.session.send(self.pub, msg_type, content, parent=parent or {}, buffers=buffers)
+        """Send through the IOPub thread *behind* anything already queued there.
+
+        A stream flush queued on the IOPub thread queues its own send when it runs; building this message in
+        the IOPub thread too puts it after that send, so a reply never overtakes the rank's output.
+        """
+        self.pub.schedule(lambda: self.session.send(self.pub, msg_type, content, parent=parent or {},
+                                                    buffers=buffers))
 
     def hello(self) -> None:
         import platform

@@ -113,6 +113,7 @@ class KernelSession:
                 if m["content"]["execution_state"] == "idle":
                     break
                 continue
+            m["arrived"] = time.monotonic() - t0  # seconds after the request was sent
             msgs.append(m)
         while True:
             reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))

@@ -17,6 +17,37 @@ def test_identical_lines_collapse_and_rank_lines_keep_order(kernel2):
     assert any(l.startswith("[rank 0] r0 line") for l in out) and any(l.startswith("[rank 1] r1 line") for l in out)
 
 
+def test_streams_arrive_live(kernel2):
+    """Output printed early in a long cell is shown while the cell still runs (collapsed across ranks)."""
+    r = kernel2.ok("import time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')")
+    streams = [m for m in r.msgs if m["msg_type"] == "stream"]
+    assert labelled("".join(m["content"]["text"] for m in streams)) == [("[ranks 0,1]", "early"),
+                                                                       ("[ranks 0,1]", "late")]
+    assert "early" in streams[0]["content"]["text"] and streams[0]["arrived"] < 0.5, streams
+    assert "late" not in streams[0]["content"]["text"] and streams[-1]["arrived"] > 1.4
+
+
+def test_no_line_lost_or_reordered_within_a_rank(kernel2):
+    kernel2.ok("%output raw --max-lines 0")
+    try:
+        # !cmd output is ordered with print(); a bare os.system() is only ordered at the end of the cell
+        # (its fd output goes through a pipe and a watcher thread, as in ipykernel)
+        r = kernel2.ok("for i in range(3000):\n    print(f'r{rank} {i}')\n"
+                       "    if i % 1000 == 999:\n        !echo r{rank} shell{i}")
+    finally:
+        kernel2.ok("%output collapse --max-lines 1000")
+    per_rank: dict[str, list[str]] = {"[rank 0]": [], "[rank 1]": []}
+    for label, line in labelled(r.stream()):
+        per_rank[label].append(line)
+    for rank in (0, 1):
+        expected = []
+        for i in range(3000):
+            expected.append(f"r{rank} {i}")
+            if i % 1000 == 999:
+                expected.append(f"r{rank} shell{i}")
+        assert per_rank[f"[rank {rank}]"] == expected
+
+
 def test_one_execute_result_collapsed_or_listed(kernel2):
     assert kernel2.ok("6*7").result == "[ranks 0,1] 42"
     assert kernel2.ok("rank * 10").result == "[rank 0] 0\n[rank 1] 10"

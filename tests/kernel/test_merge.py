@@ -94,6 +94,19 @@ def test_live_hold_waits_for_slow_rank_then_gives_up():
     assert m.take(now=1.2) == [((0,), "lonely")]   # not forever
 
 
+def test_last_lines_of_a_finished_rank_wait_a_little_longer_for_the_others():
+    m = StreamMerger([0, 1], hold=0.1, finish_hold=1.0)
+    m.add(0, "last\n", now=0.0)
+    m.finish(0, now=0.0)
+    assert m.take(now=0.5) == []
+    m.add(1, "last\n", now=0.6)
+    assert m.take(now=0.6) == [((0, 1), "last")]
+    m2 = StreamMerger([0, 1], hold=0.1, finish_hold=1.0)
+    m2.add(0, "last\n", now=0.0)
+    m2.finish(0, now=0.0)
+    assert m2.take(now=1.1) == [((0,), "last")]
+
+
 def test_finished_rank_does_not_hold_others():
     m = StreamMerger([0, 1], hold=10.0)
     m.finish(1)
