@@ -95,6 +95,8 @@ class SuperKernel(IPythonKernel):
             lambda: collections.deque(maxlen=5))
         self._pool_starter: threading.Thread | None = None
         self._restarting = threading.Event()  # an automatic restart (after escalation) is under way
+        self._interrupted = threading.Event()  # an interrupt while waiting for the pool to start
+        self._local_running = False            # a %%local cell runs in this process
         self.start_pool()
 
     # ---------------------------------------------------------------------------------------- kernel info
@@ -163,7 +165,7 @@ class SuperKernel(IPythonKernel):
 
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, lambda: pool.wait_ready(progress=progress))
+            await loop.run_in_executor(None, lambda: pool.wait_ready(progress=progress, cancel=self._interrupted))
         finally:
             bar.close()
         return pool
@@ -266,12 +268,17 @@ class SuperKernel(IPythonKernel):
         parent = self.get_parent("shell")
         shell = self.shell
         assert shell is not None
+        self._interrupted.clear()
         try:
             split = front_side.split_cell(code)
         except front_side.FrontMagicError as e:
             return self._error_reply(parent, "UsageError", str(e), [f"UsageError: {e}"])
         if split.cell_magic == "local":
-            return await super().do_execute(split.body, silent, store_history, user_expressions, allow_stdin)
+            self._local_running = True
+            try:
+                return await super().do_execute(split.body, silent, store_history, user_expressions, allow_stdin)
+            finally:
+                self._local_running = False
 
         count = shell.execution_count
         if store_history:
@@ -455,10 +462,22 @@ class SuperKernel(IPythonKernel):
             self._restarting.clear()
 
     async def interrupt_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
-        self.interrupt_cell()
+        self._interrupt()
         self.session.send(stream, "interrupt_reply", {"status": "ok"}, parent, ident=ident)
 
+    def _interrupt(self) -> None:
+        """Interrupt whatever runs: the cell on the ranks, a wait for the pool, or a %%local cell."""
+        self._interrupted.set()
+        if self._local_running:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        else:
+            self.interrupt_cell()
+
     def _on_sigint(self, signum: int, frame: Any) -> None:
+        """SIGINT in the kernel process: from _interrupt (a %%local cell) or from outside (interrupt_mode signal)."""
+        if self._local_running:
+            raise KeyboardInterrupt
+        self._interrupted.set()
         self.interrupt_cell()
 
     def start(self) -> None:

@@ -191,11 +191,17 @@ class Pool:
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> None:
-        """Block until every rank said hello; raise PoolStartError with the launcher's output otherwise."""
+                   progress: Callable[[int, int], None] | None = None,
+                   cancel: threading.Event | None = None) -> None:
+        """Block until every rank said hello; raise PoolStartError with the launcher's output otherwise.
+
+        Setting ``cancel`` (an interrupt) stops the wait, not the start-up."""
         deadline = time.monotonic() + (timeout or self.spec.start_timeout)
         seen = -1
         while not self.ready.wait(0.05):
+            if cancel is not None and cancel.is_set():
+                raise PoolStartError(f"interrupted while the pool was starting ({len(self.ranks)}/"
+                                     f"{self.expected} ranks ready); it keeps starting in the background")
             if progress and len(self.ranks) != seen:
                 seen = len(self.ranks)
                 progress(seen, self.expected)

@@ -46,6 +46,17 @@ def test_sigkill_of_a_rank_mid_cell_is_reported_fast_and_restart_recovers(kernel
                    for p in pids.values())
 
 
+def test_interrupt_while_the_pool_starts(kernel2):
+    msg_id = kernel2.execute("%restart")
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    kernel2.km.interrupt_kernel()
+    r = kernel2.collect(msg_id, timeout=60, t0=t0)
+    assert r.status == "error" and "interrupted while the pool was starting" in r.reply["evalue"]
+    assert r.elapsed < 5
+    assert kernel2.ok("rank", timeout=120).result == "[rank 0] 0\n[rank 1] 1"  # it kept starting
+
+
 def test_restart_resizes_the_pool(kernel2):
     r = kernel2.ok("%restart --ranks 3\nworld_size")
     assert r.result == "[ranks 0-2] 3"

@@ -193,3 +193,16 @@ def test_interrupt_sleep_on_every_rank_within_one_second(kernel2):
     assert r.status == "error" and r.reply["ename"] == "KeyboardInterrupt"
     assert "[ranks 0,1]" in r.reply["evalue"]
     assert kernel2.ok("before").result == "[rank 0] 100\n[rank 1] 101"
+
+
+def test_interrupt_a_local_cell(kernel2):
+    import time
+
+    msg_id = kernel2.execute("%%local\nimport time\nlocal_before = 1\ntime.sleep(100)")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    kernel2.km.interrupt_kernel()
+    r = kernel2.collect(msg_id, timeout=30, t0=t0)
+    assert r.elapsed < 1.0 and r.status == "error" and r.reply["ename"] == "KeyboardInterrupt"
+    assert kernel2.ok("%%local\nlocal_before").result == "1"
+    assert kernel2.ok("rank").result == "[rank 0] 0\n[rank 1] 1"
