@@ -108,6 +108,20 @@ void Matcher::abandon(const ArrivalPtr& a, const std::string& why) {
   if (req) req->fail(why);
 }
 
+void Matcher::cancel(const RequestPtr& req, const std::string& why) {
+  bool found = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = posted_.begin(); it != posted_.end(); ++it)
+      if (it->req == req) {
+        posted_.erase(it);
+        found = true;
+        break;
+      }
+  }
+  if (found) req->fail(why);
+}
+
 void Matcher::fail_source(int src, const std::string& why) {
   std::vector<RequestPtr> victims;
   {

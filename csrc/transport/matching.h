@@ -46,6 +46,8 @@ class Matcher {
   RequestPtr post_recv(int src, uint64_t tag, void* buf, size_t len, uint64_t check);
   // The provider lost a message mid-payload (peer died): fail the recv it was matched to, if any.
   void abandon(const ArrivalPtr& a, const std::string& why);
+  // Withdraw a posted recv that has not matched yet (its waiter gave up): it fails with `why`.
+  void cancel(const RequestPtr& req, const std::string& why);
   // Fail every pending recv that could only be satisfied by `src` (and any-source recvs).
   void fail_source(int src, const std::string& why);
   // Fail everything (communicator aborted).

@@ -565,6 +565,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::p2p(c10d::OpType type, const char
   RequestPtr req = sending ? comm_->isend(peer, uint64_t(tag), buf.data_ptr(), nbytes(buf), 0)
                            : comm_->irecv(peer, uint64_t(tag), buf.data_ptr(), nbytes(buf), 0);
   const int me = rank_;
+  if (!sending) {
+    Comm* comm = comm_.get();
+    work->on_timeout([comm, req, me, peer, tag] {
+      comm->matcher().cancel(req, cat("rank ", me, ": recv from peer ", peer, " (tag ", tag, ") timed out"));
+    });
+  }
   req->on_finish([work, buf, orig, sending, op, me, peer, tag](Request& r) {
     if (r.failed()) {
       work->complete(backend_error(cat("mk ", op, ": rank ", me, ", peer ", peer == kAnySource ? std::string("any") : std::to_string(peer),

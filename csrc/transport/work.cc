@@ -34,9 +34,16 @@ bool WorkMK::wait(std::chrono::milliseconds timeout) {
     if (cancel_generation().load() != gen)
       C10_THROW_ERROR(DistBackendError, c10::str("mk ", c10d::opTypeToString(opType_), ": rank ", rank_,
                                                  ": wait cancelled by an interrupt"));
-    if (std::chrono::steady_clock::now() - start > timeout)
+    if (std::chrono::steady_clock::now() - start > timeout) {
+      if (on_timeout_) {
+        lock.unlock();
+        on_timeout_();
+        lock.lock();
+        if (completed_ && !exception_) return true;  // it finished while we gave up
+      }
       C10_THROW_ERROR(DistBackendError, c10::str("mk ", c10d::opTypeToString(opType_), ": rank ", rank_,
                                                  ": Work.wait timed out after ", timeout.count(), " ms"));
+    }
   }
   if (exception_) std::rethrow_exception(exception_);
   return true;

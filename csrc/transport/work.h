@@ -5,6 +5,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <functional>
 #include <vector>
 
 namespace mk {
@@ -20,6 +21,9 @@ class WorkMK : public c10d::Work {
   std::vector<at::Tensor> result() override;
   int sourceRank() const override;
 
+  // Called when wait() gives up, before it throws (a recv withdraws its posted buffer).
+  void on_timeout(std::function<void()> fn) { on_timeout_ = std::move(fn); }
+
   // Mark done (eptr null) or failed; completes the future. Called once.
   void complete(std::exception_ptr eptr, int source_rank = -1);
 
@@ -28,6 +32,7 @@ class WorkMK : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   int source_rank_ = -1;
   std::chrono::milliseconds default_timeout_;
+  std::function<void()> on_timeout_;
 };
 
 }  // namespace mk

@@ -1,0 +1,97 @@
+"""Failure scenarios, one per launch (see test_failures.py). Each rank prints a REPORT line with what it
+observed: which operations raised, with what message, and how long it took."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import superkernel  # noqa: F401
+
+scenario = sys.argv[1]
+timeout_s = float(os.environ.get("SUITE_TIMEOUT", "60"))
+dist.init_process_group("mk", timeout=datetime.timedelta(seconds=timeout_s))
+rank, world = dist.get_rank(), dist.get_world_size()
+events: list[dict] = []
+
+
+def attempt(name: str, fn) -> None:
+    t0 = time.monotonic()
+    try:
+        fn()
+        events.append({"op": name, "ok": True, "secs": time.monotonic() - t0})
+    except Exception as e:  # noqa: BLE001
+        events.append({"op": name, "ok": False, "error": f"{type(e).__name__}: {e}", "secs": time.monotonic() - t0})
+
+
+def report() -> None:
+    print("REPORT " + json.dumps({"rank": rank, "events": events, "pid": os.getpid()}), flush=True)
+
+
+if scenario == "mismatch":
+    attempt("size", lambda: dist.all_reduce(torch.ones(10 if rank == 0 else 20)))
+    attempt("dtype", lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.int32)))
+    attempt("after", lambda: dist.all_reduce(torch.ones(4)))
+    report()
+elif scenario == "bad_args":
+    attempt("root", lambda: dist.broadcast(torch.ones(3), src=world + 3))
+    attempt("allgather_outputs", lambda: dist.all_gather([torch.empty(3)] * (world + 1), torch.ones(3)))
+    attempt("allgather_shape", lambda: dist.all_gather_into_tensor(torch.empty(world * 3 + 1), torch.ones(3)))
+    attempt("send_rank", lambda: dist.send(torch.ones(1), dst=world + 1))
+    attempt("tag", lambda: dist.send(torch.ones(1), dst=(rank + 1) % world, tag=-4))
+    attempt("split", lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world))
+    attempt("bitwise_float", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND))
+    def good():
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert t[0].item() == world, t
+    attempt("after", good)
+    report()
+elif scenario == "peer_exit":
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(3)
+    time.sleep(0.5)
+    attempt("allreduce", lambda: dist.all_reduce(torch.ones(1000)))
+    attempt("again", lambda: dist.all_reduce(torch.ones(10)))
+    report()
+    os._exit(0)  # skip destroy: the group is broken
+elif scenario == "timeout":
+    dist.barrier()
+    if rank == 1:
+        time.sleep(timeout_s + 3)
+    t = torch.ones(100)
+    attempt("allreduce", lambda: dist.all_reduce(t))
+    events[-1]["value"] = t[0].item()
+    attempt("next", lambda: dist.all_reduce(torch.ones(100)))
+    report()
+    os._exit(0)
+elif scenario == "recv_timeout":
+    if rank == 0:
+        attempt("recv", lambda: dist.recv(torch.empty(3), src=1, tag=9))
+    report()
+    dist.barrier() if rank != 0 else None
+    os._exit(0)
+elif scenario == "kill9":
+    dist.barrier()
+    print(f"READY {os.getpid()}", flush=True)
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < 60:
+        try:
+            dist.all_reduce(torch.ones(1 << 16))
+            n += 1
+        except Exception as e:  # noqa: BLE001
+            events.append({"op": "loop", "ok": False, "error": f"{type(e).__name__}: {e}", "iterations": n,
+                           "at": time.time()})
+            break
+    report()
+    os._exit(0)
+else:
+    raise SystemExit(f"unknown scenario {scenario}")
+dist.destroy_process_group()
