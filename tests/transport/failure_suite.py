@@ -36,6 +36,10 @@ def report() -> None:
 if scenario == "mismatch":
     attempt("size", lambda: dist.all_reduce(torch.ones(10 if rank == 0 else 20)))
     attempt("dtype", lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.int32)))
+    if os.environ.get("SUPERKERNEL_TRANSPORT") == "shm":
+        # rank 1 sends 2 rows to rank 0, which expects 1
+        send = [1, 1] if rank == 0 else [2, 1]
+        attempt("split", lambda: dist.all_to_all_single(torch.empty(2, 3), torch.ones(sum(send), 3), [1, 1], send))
     attempt("after", lambda: dist.all_reduce(torch.ones(4)))
     report()
 elif scenario == "bad_args":

@@ -31,6 +31,7 @@ def test_mismatched_calls_fail_on_every_rank(transport: str) -> None:
         # every rank saw the mismatch at the same step: the group stays usable
         for r, e in enumerate(ev):
             assert not e["dtype"]["ok"] and "int32" in e["dtype"]["error"] and "float32" in e["dtype"]["error"]
+            assert not e["split"]["ok"] and "split sizes" in e["split"]["error"], e["split"]
             assert e["after"]["ok"], f"rank {r}: group unusable after a detected mismatch: {e['after']}"
     else:
         # across hosts the communicator is aborted, and says so
