@@ -128,9 +128,9 @@ class SuperKernel(IPythonKernel):
     def stop_pool(self) -> None:
         pool, self.pool = self.pool, None
         if pool is not None:
-            if self._pool_starter is not None:
-                self._pool_starter.join(timeout=10)
             pool.close()
+            if self._pool_starter is not None:
+                self._pool_starter.join(timeout=5)
 
     async def restart_pool(self, nranks: int | None, parent: dict[str, Any]) -> str:
         loop = asyncio.get_running_loop()

@@ -134,11 +134,11 @@ class Pool:
         self._rank_exit_codes: dict[int, int] = {}  # rank -> exit code (mpirun reports ranks, often PID 0)
         self._stop = threading.Event()
         self._closing = False
+        self._lock = threading.Lock()
         self._dir = tempfile.mkdtemp(prefix="superkernel-pool-")
         self._conn_file = os.path.join(self._dir, "connection.json")
         self.channels.info.write(self._conn_file)
         self._thread = threading.Thread(target=self._dispatch_loop, name="superkernel-pool", daemon=True)
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------- start
     def worker_command(self) -> list[str]:
@@ -183,12 +183,16 @@ class Pool:
             if self.spec.flavor == "plain":
                 penv = dict(env, RANK=str(i), WORLD_SIZE=str(self.spec.nranks), LOCAL_RANK=str(i))
             log.info("starting pool: %s", " ".join(cmd))
-            proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            self._procs.append(proc)
+            with self._lock:
+                if self._closing:  # closed while starting: launch nothing more
+                    return
+                proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+                self._procs.append(proc)
             threading.Thread(target=self._read_launcher, args=(proc,), daemon=True,
                              name=f"superkernel-launcher-{proc.pid}").start()
-        self._thread.start()
+        if not self._thread.is_alive():
+            self._thread.start()
 
     def wait_ready(self, timeout: float | None = None,
                    progress: Callable[[int, int], None] | None = None,
@@ -199,6 +203,8 @@ class Pool:
         deadline = time.monotonic() + (timeout or self.spec.start_timeout)
         seen = -1
         while not self.ready.wait(0.05):
+            if self._closing:
+                raise PoolStartError("the pool was closed while it was starting")
             if cancel is not None and cancel.is_set():
                 raise PoolStartError(f"interrupted while the pool was starting ({len(self.ranks)}/"
                                      f"{self.expected} ranks ready); it keeps starting in the background")
@@ -379,7 +385,8 @@ class Pool:
 
     def close(self, grace: float = 3.0) -> None:
         """Ask every rank to exit, then SIGTERM and SIGKILL whatever is left of the process tree."""
-        self._closing = True
+        with self._lock:
+            self._closing = True
         tree = self.process_tree()
         for r in list(self.ranks):
             if r in self.dead:
