@@ -2,6 +2,7 @@
 # One entry point for a fresh machine:
 #   bash run.sh example   build, then run notebooks/examples.ipynb (or the demo) on a local 2-rank CPU pool
 #   bash run.sh test      build, then run the whole test suite
+#   bash run.sh sanitize  the transport tests against an ASan+UBSan build of the extension
 # Everything it needs is bootstrapped: Debian packages (when root), a pinned virtual environment cached
 # outside the checkout (keyed by requirements.txt), and an incremental ccache'd build of superkernel._C.
 set -euo pipefail
@@ -53,6 +54,21 @@ build() {
   python -c "import superkernel" || { log "superkernel failed to import after the build"; exit 1; }
 }
 
+# ASan+UBSan build of the extension, installed into its own directory (the normal build stays untouched);
+# python itself is not instrumented, so the sanitizer runtimes are preloaded for every process it starts.
+sanitize_env() {
+  export CCACHE_DIR="${CCACHE_DIR:-$cache/ccache}"
+  local site="$cache/asan-site-$key"
+  log "building superkernel with AddressSanitizer + UBSan into $site"
+  (cd "$here" && pip install -q --no-build-isolation --no-deps --upgrade --target "$site" \
+      -C build-dir=build/sanitize -C cmake.define.SUPERKERNEL_SANITIZE=ON -C cmake.build-type=RelWithDebInfo .)
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+  # CPython's allocations are never freed at exit by design: leak checking would only report those.
+  export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+}
+
 ensure_debian
 ensure_venv
 case "$cmd" in
@@ -70,9 +86,14 @@ case "$cmd" in
     if [ $rc -eq 5 ]; then log "pytest collected no tests: failing"; exit 1; fi
     exit $rc
     ;;
+  sanitize)
+    sanitize_env
+    cd "$here"
+    exec python -m pytest "${@:-tests/transport}"
+    ;;
   env)
     exec "$@"
     ;;
   *)
-    echo "usage: bash run.sh example | test [pytest args] | env CMD..." >&2; exit 2 ;;
+    echo "usage: bash run.sh example | test [pytest args] | sanitize [pytest args] | env CMD..." >&2; exit 2 ;;
 esac

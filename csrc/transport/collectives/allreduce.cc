@@ -2,8 +2,9 @@
 //  - one host: every rank copies its chunk into its staging slot; small chunks are then reduced whole by
 //    every rank (one synchronisation), large ones are split so each rank reduces its slice of all inputs
 //    and then gathers the others' slices (two synchronisations, each byte read once per rank).
-//  - across hosts: recursive doubling for small power-of-two groups, else a ring (reduce-scatter then
-//    allgather). fp16/bf16 travel and accumulate as fp32 there, so every sum is accumulated in fp32.
+//  - across hosts: hierarchical when a host has several ranks (shm inside, leaders over the network); among
+//    the network members recursive doubling for small power-of-two groups, else a ring (reduce-scatter
+//    then allgather). fp16/bf16 travel and accumulate as fp32 there, so every sum is accumulated in fp32.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -15,6 +16,7 @@ namespace mk::coll {
 namespace {
 
 constexpr size_t kSmallBytes = 16 << 10;
+constexpr uint32_t kMaxPieces = 64;
 
 size_t align_elems(size_t n, size_t es) {
   const size_t a = std::max<size_t>(1, 64 / es);
@@ -54,38 +56,63 @@ void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const Op
   } while (off < count);
 }
 
-// Ring over providers: after the reduce-scatter phase rank r owns the reduced segment r.
-void ring_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, uint64_t check,
-                    const Deadline& dl, bool gather_back) {
-  const int R = c.size(), me = c.rank();
+// The ranks an algorithm runs over (all of the group, or one leader per host) and our index among them.
+struct Members {
+  std::vector<int> ranks;
+  int me;
+  static Members all(const Comm& c) {
+    Members m{std::vector<int>(static_cast<size_t>(c.size())), c.rank()};
+    for (int r = 0; r < c.size(); ++r) m.ranks[size_t(r)] = r;
+    return m;
+  }
+  int size() const { return int(ranks.size()); }
+  int at(int i) const { return ranks[size_t(i)]; }
+};
+
+// Ring over providers: after the reduce-scatter phase member i owns the reduced segment i.
+void ring_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
+                    uint64_t check, const Deadline& dl, bool gather_back) {
+  const int R = m.size(), me = m.me;
   const size_t es = dtype_size(t);
   const size_t seg = (count + size_t(R) - 1) / size_t(R);
   auto lo = [&](int i) { return std::min(count, seg * size_t(i)); };
   auto len = [&](int i) { return std::min(count, lo(i) + seg) - lo(i); };
   std::vector<char> tmp(seg * es);
-  const int right = (me + 1) % R, left = (me - 1 + R) % R;
+  const int right = m.at((me + 1) % R), left = m.at((me - 1 + R) % R);
+  // Each step's segment travels in pieces, so reducing piece j overlaps with receiving piece j+1.
+  const size_t piece = std::max<size_t>(std::max<size_t>(1, (256u << 10) / es), (seg + kMaxPieces - 1) / kMaxPieces);
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k - 1) % R + R) % R, ri = ((me - k - 2) % R + R) % R;
-    sendrecv(c, "allreduce", right, buf + lo(si) * es, len(si) * es, left, tmp.data(), len(ri) * es,
-             coll_tag(seq, uint32_t(k)), check, dl);
-    const void* srcs[2] = {buf + lo(ri) * es, tmp.data()};
-    reduce_many(buf + lo(ri) * es, srcs, 2, len(ri), t, op);
+    std::vector<RequestPtr> recvs, sends;
+    for (size_t p = 0, j = 0; p < std::max<size_t>(len(ri), 1); p += piece, ++j)
+      recvs.push_back(c.irecv(left, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), tmp.data() + p * es,
+                              std::min(piece, len(ri) - std::min(len(ri), p)) * es, check));
+    for (size_t p = 0, j = 0; p < std::max<size_t>(len(si), 1); p += piece, ++j)
+      sends.push_back(c.isend(right, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), buf + (lo(si) + p) * es,
+                              std::min(piece, len(si) - std::min(len(si), p)) * es, check));
+    for (size_t j = 0; j < recvs.size(); ++j) {
+      c.wait(recvs[j], dl, "allreduce", left);
+      const size_t p = j * piece, n = std::min(piece, len(ri) - std::min(len(ri), p));
+      const void* srcs[2] = {buf + (lo(ri) + p) * es, tmp.data() + p * es};
+      reduce_many(buf + (lo(ri) + p) * es, srcs, 2, n, t, op);
+    }
+    for (auto& q : sends) c.wait(q, dl, "allreduce", right);
   }
   if (!gather_back) return;
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k) % R + R) % R, ri = ((me - k - 1) % R + R) % R;
     sendrecv(c, "allreduce", right, buf + lo(si) * es, len(si) * es, left, buf + lo(ri) * es, len(ri) * es,
-             coll_tag(seq, uint32_t(R + k)), check, dl);
+             coll_tag(seq, uint32_t(R + k) * kMaxPieces), check, dl);
   }
 }
 
-void doubling_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, uint64_t check,
-                        const Deadline& dl) {
+void doubling_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
+                        uint64_t check, const Deadline& dl) {
   const size_t bytes = count * dtype_size(t);
   std::vector<char> tmp(bytes);
   uint32_t step = 0;
-  for (int mask = 1; mask < c.size(); mask <<= 1, ++step) {
-    const int partner = c.rank() ^ mask;
+  for (int mask = 1; mask < m.size(); mask <<= 1, ++step) {
+    const int partner = m.at(m.me ^ mask);
     sendrecv(c, "allreduce", partner, buf, bytes, partner, tmp.data(), bytes, coll_tag(seq, step), check, dl);
     const void* srcs[2] = {buf, tmp.data()};
     reduce_many(buf, srcs, 2, count, t, op);
@@ -94,20 +121,58 @@ void doubling_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uin
 
 bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
 
-void p2p_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, uint64_t check,
-                   const Deadline& dl) {
-  if (is_half(t)) {  // accumulate in fp32 end to end
+void p2p_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
+                   uint64_t check, const Deadline& dl) {
+  const bool pow2 = (m.size() & (m.size() - 1)) == 0;
+  if (m.size() == 1) return;
+  if (pow2 && count * dtype_size(t) <= (64u << 10))
+    doubling_allreduce(c, m, buf, count, t, op, seq, check, dl);
+  else
+    ring_allreduce(c, m, buf, count, t, op, seq, check, dl, true);
+}
+
+// Local broadcast of the leader's (local rank 0's) buffer through the staging slots.
+void shm_bcast_from_leader(Comm& c, char* buf, size_t bytes, const OpDesc& d, const Deadline& dl) {
+  ShmProvider& s = *c.shm();
+  size_t off = 0;
+  do {
+    const size_t n = std::min(s.chunk_bytes(), bytes - off);
+    const int slot = shm_begin(c, d, dl);
+    if (s.local_rank() == 0) std::memcpy(s.slot(0, slot), buf + off, n);
+    shm_ready(c, slot, d, false, dl);
+    if (s.local_rank() != 0) std::memcpy(buf + off, s.slot(0, slot), n);
+    shm_done(c, slot);
+    off += n;
+  } while (off < bytes);
+}
+
+// Across hosts. With several ranks on this host: reduce inside the host over shared memory, allreduce
+// among one leader per host over the network, broadcast back inside the host, so each byte crosses the
+// network once per host instead of once per rank. fp16/bf16 are widened to fp32 for the whole way.
+void multi_host_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, const OpDesc& d,
+                          const Deadline& dl) {
+  if (is_half(t)) {
     std::vector<float> wide(count);
     to_f32(wide.data(), buf, count, t);
-    p2p_allreduce(c, reinterpret_cast<char*>(wide.data()), count, DType::f32, op, seq, check, dl);
+    multi_host_allreduce(c, reinterpret_cast<char*>(wide.data()), count, DType::f32, op, seq, d, dl);
     from_f32(buf, wide.data(), count, t);
     return;
   }
-  const bool pow2 = (c.size() & (c.size() - 1)) == 0;
-  if (pow2 && count * dtype_size(t) <= (64u << 10))
-    doubling_allreduce(c, buf, count, t, op, seq, check, dl);
-  else
-    ring_allreduce(c, buf, count, t, op, seq, check, dl, true);
+  ShmProvider* s = c.shm();
+  if (s == nullptr || s->local_size() == 1) return p2p_allreduce(c, Members::all(c), buf, count, t, op, seq, d.check(), dl);
+  shm_allreduce(c, buf, count, t, op, d, dl);
+  if (s->local_rank() == 0) {
+    Members leaders{{}, 0};
+    for (int r = 0; r < c.size(); ++r) {
+      bool first_on_host = true;
+      for (int q = 0; q < r; ++q) first_on_host &= c.peers()[size_t(q)].host_id != c.peers()[size_t(r)].host_id;
+      if (!first_on_host) continue;
+      if (r == c.rank()) leaders.me = leaders.size();
+      leaders.ranks.push_back(r);
+    }
+    p2p_allreduce(c, leaders, buf, count, t, op, seq, d.check(), dl);
+  }
+  shm_bcast_from_leader(c, buf, count * dtype_size(t), d, dl);
 }
 
 }  // namespace
@@ -122,7 +187,7 @@ void allreduce(Comm& c, void* buf, size_t count, DType t, RedOp op) {
   } else if (c.all_local()) {
     shm_allreduce(c, static_cast<char*>(buf), count, t, op, d, dl);
   } else {
-    p2p_allreduce(c, static_cast<char*>(buf), count, t, op, seq, d.check(), dl);
+    multi_host_allreduce(c, static_cast<char*>(buf), count, t, op, seq, d, dl);
   }
   if (op == RedOp::avg) finish_avg(buf, count, t, c.size());
 }
@@ -146,7 +211,7 @@ void reduce(Comm& c, void* buf, size_t count, DType t, RedOp op, int root) {
     if (c.all_local()) {
       shm_allreduce(c, work, count, t, op, d, dl);
     } else {
-      p2p_allreduce(c, work, count, t, op, seq, d.check(), dl);
+      multi_host_allreduce(c, work, count, t, op, seq, d, dl);
     }
   }
   if (c.rank() == root && op == RedOp::avg) finish_avg(buf, count, t, c.size());
@@ -186,12 +251,13 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
   } else if (is_half(t)) {
     std::vector<float> wide(count * size_t(R));
     to_f32(wide.data(), src, wide.size(), t);
-    ring_allreduce(c, reinterpret_cast<char*>(wide.data()), wide.size(), DType::f32, op, seq, d.check(), dl, false);
+    ring_allreduce(c, Members::all(c), reinterpret_cast<char*>(wide.data()), wide.size(), DType::f32, op, seq,
+                   d.check(), dl, false);
     from_f32(dst, wide.data() + size_t(me) * count, count, t);
   } else {
     // The ring leaves segment `me` reduced; segments are exactly the blocks when count*R splits evenly.
     std::vector<char> work(src, src + count * size_t(R) * es);
-    ring_allreduce(c, work.data(), count * size_t(R), t, op, seq, d.check(), dl, false);
+    ring_allreduce(c, Members::all(c), work.data(), count * size_t(R), t, op, seq, d.check(), dl, false);
     std::memcpy(dst, work.data() + size_t(me) * count * es, count * es);
   }
   if (op == RedOp::avg) finish_avg(out, count, t, R);

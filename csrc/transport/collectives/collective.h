@@ -27,7 +27,7 @@ inline const char* kind_name(Kind k) {
 }
 
 // Tags of collective-internal messages: top bit set, then the collective's sequence number and a step.
-inline uint64_t coll_tag(uint64_t seq, uint32_t step) { return (1ull << 63) | (seq << 16) | (step & 0xffff); }
+inline uint64_t coll_tag(uint64_t seq, uint32_t step) { return (1ull << 63) | (seq << 24) | (step & 0xffffff); }
 
 inline uint64_t mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);

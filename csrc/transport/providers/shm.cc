@@ -192,8 +192,10 @@ ShmProvider::ShmProvider(int rank, const std::vector<int>& locals, Matcher& matc
   }
   slot_release_.assign(size_t(opt_.slots), 0);
   // Spin less when the ranks of this host outnumber its cores: the peer we wait for needs our core.
-  spin_limit_ = int(locals.size()) > online_cpus() ? 64 : 20000;
-  if (const char* v = std::getenv("SUPERKERNEL_SPIN"); v && *v) spin_limit_ = std::atoi(v);
+  // Spin for a few tens of microseconds (peers in step arrive within that), then yield, then sleep.
+  oversubscribed_ = int(locals.size()) > online_cpus();
+  spin_ = std::chrono::microseconds(oversubscribed_ ? 2 : 50);
+  if (const char* v = std::getenv("SUPERKERNEL_SPIN_US"); v && *v) spin_ = std::chrono::microseconds(std::atoi(v));
 }
 
 ShmProvider::~ShmProvider() {
@@ -257,13 +259,15 @@ void ShmProvider::wait_steps(uint64_t target, const Deadline& deadline, const ch
   auto wait_one = [&](int j) {
     if (j == me_) return;
     Control* c = peers_[j]->control();
-    for (int spin = 0; spin < spin_limit_; ++spin) {
+    const auto spin_until = Clock::now() + spin_;
+    for (int i = 1;; ++i) {
       if (c->step.load(std::memory_order_acquire) >= target) return;
       cpu_relax();
+      if ((i & 63) == 0 && Clock::now() >= spin_until) break;
     }
     int round = 0;
     while (c->step.load(std::memory_order_acquire) < target) {
-      if (spin_limit_ < 1000 && round < 16) {
+      if (round < (oversubscribed_ ? 16 : 4)) {  // let a peer sharing our core run before we sleep
         ++round;
         sched_yield();
         continue;

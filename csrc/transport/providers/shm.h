@@ -87,7 +87,8 @@ class ShmProvider final : public Provider {
   std::vector<std::atomic<bool>> alive_;
   int next_slot_ = 0;
   std::vector<uint64_t> slot_release_;
-  int spin_limit_ = 20000;
+  bool oversubscribed_ = false;
+  std::chrono::microseconds spin_{50};
   std::atomic<bool> stop_{false};
   std::atomic<bool> aborted_{false};
   std::string abort_reason_;
