@@ -252,14 +252,20 @@ class Worker:
                     log.warning("rank %d: cancelling mk waits failed: %s", self.rank, e)
 
     def _kernel_alive(self) -> bool:
+        """False once the kernel process is gone (or a zombie nobody has reaped yet)."""
         if self.info.kernel_host != socket.gethostname():
             return True
         try:
             os.kill(self.info.kernel_pid, 0)
-            return True
         except ProcessLookupError:
             return False
         except PermissionError:
+            return True
+        try:
+            with open(f"/proc/{self.info.kernel_pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            return state not in ("Z", "X")
+        except (OSError, IndexError):
             return True
 
     # -- main thread --

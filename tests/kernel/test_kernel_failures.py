@@ -128,3 +128,18 @@ def test_shutdown_leaves_no_process_and_no_shm(kernel_prefix):
     ours = {str(p.pid) for p in tree}
     leaked = [n for n in shm_after - shm_before if ours & set(re.split(r"[-_.]", n))]
     assert not leaked, leaked
+
+
+def test_a_killed_kernel_leaves_no_pool_behind(kernel_prefix):
+    before = {p.pid for p in pool_processes()}
+    k = KernelSession("sk-test-2")
+    k.ok("pass", timeout=180)
+    assert len([p for p in pool_processes() if p.pid not in before]) >= 3
+    os.kill(k.pid, signal.SIGKILL)  # no shutdown message: the ranks notice the kernel is gone
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [p for p in pool_processes() if p.pid not in before]:
+        time.sleep(0.1)
+    left = [p for p in pool_processes() if p.pid not in before]
+    k.kc.stop_channels()
+    k.km.cleanup_resources()
+    assert not left, [p.cmdline() for p in left]
