@@ -82,6 +82,20 @@ def test_rank_ignoring_the_interrupt_is_escalated_and_the_pool_restarts(kernel2)
     assert not set(new.values()) & set(pids.values())
 
 
+def test_timeout_on_a_rank_that_ignores_interrupts_restarts_the_pool(kernel2):
+    kernel2.ok("%timeout 1")
+    try:
+        r = kernel2.run("import signal, time\nif rank == 1:\n"
+                        "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n    time.sleep(60)")
+    finally:
+        kernel2.ok("%timeout off", timeout=120)
+    assert r.status == "error" and r.reply["ename"] == "CellTimeout"
+    text = r.reply["evalue"] + "\n".join(r.errors[0]["traceback"])
+    assert "exceeded the %timeout of 1 s" in text and "rank 1 did not honour the interrupt" in text
+    assert r.elapsed < 10
+    assert kernel2.ok("world_size").result == "[ranks 0,1] 2"
+
+
 def test_rank_stuck_in_a_collective_gets_out(kernel2):
     """mk cancels its blocked waits on interrupt (KeyboardInterrupt, pool kept); other backends escalate."""
     backend = kernel2.ok("%%rank 0\ndist.get_backend()").result or ""
