@@ -2,8 +2,9 @@
 
 Topology (one pool):
 
-* kernel binds a ROUTER (``requests``): it sends requests to a rank by routing id ``rank-<r>``; every
-  worker connects a DEALER with that routing id. Only the worker's control thread reads it.
+* kernel binds a ROUTER (``requests``): every worker connects two DEALERs, ``rank-<r>`` (read by its main
+  thread: execute, complete, inspect, push, pull) and ``rank-<r>-control`` (read by its control thread:
+  interrupt and shutdown, which must arrive while a cell runs).
 * kernel binds a PULL (``events``): every worker connects a PUSH and sends *everything* it has to say
   (hello, heartbeats, streams, display data, results, replies) through ipykernel's IOPubThread, so one
   rank's output always arrives before that rank's reply.
@@ -66,8 +67,11 @@ def make_session(key: str, username: str) -> Session:
     return Session(key=key.encode(), signature_scheme=SIGNATURE_SCHEME, username=username)
 
 
-def rank_identity(rank: int) -> bytes:
-    return f"rank-{rank}".encode()
+CONTROL_TYPES = frozenset({"interrupt_request", "shutdown_request"})
+
+
+def rank_identity(rank: int, control: bool = False) -> bytes:
+    return f"rank-{rank}-control".encode() if control else f"rank-{rank}".encode()
 
 
 def sender_rank(msg: dict[str, Any]) -> int | None:
@@ -144,7 +148,8 @@ class KernelChannels:
         while True:
             try:
                 with self._send_lock:
-                    self.session.send(self._router, msg, ident=rank_identity(rank), buffers=buffers)
+                    self.session.send(self._router, msg, ident=rank_identity(rank, msg_type in CONTROL_TYPES),
+                                      buffers=buffers)
                 return msg
             except zmq.ZMQError as e:
                 if e.errno != zmq.EHOSTUNREACH or _now() > deadline:
@@ -188,27 +193,33 @@ class KernelChannels:
 
 
 class WorkerChannels:
-    """A worker's end: a DEALER for requests (control thread only) and a PUSH for everything it says."""
+    """A worker's end: two DEALERs for requests (main thread / control thread) and a PUSH for what it says."""
 
     def __init__(self, info: ConnectionInfo, rank: int) -> None:
         self.info = info
         self.rank = rank
         self.session = make_session(info.key, f"rank-{rank}")
         self.context = zmq.Context()
-        self.dealer = self.context.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.ROUTING_ID, rank_identity(rank))
-        self.dealer.linger = 0
-        self.dealer.connect(info.requests)
+        self.shell = self._dealer(rank_identity(rank))
+        self.control = self._dealer(rank_identity(rank, control=True))
         self.push = self.context.socket(zmq.PUSH)
         self.push.linger = 2000
         self.push.connect(info.events)
         self.dropped = 0
 
-    def recv_request(self, timeout: float) -> dict[str, Any] | None:
-        """Next verified request, or None. Called from the control thread only."""
-        if not self.dealer.poll(int(timeout * 1000)):
+    def _dealer(self, identity: bytes) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.linger = 0
+        sock.connect(self.info.requests)
+        return sock
+
+    def recv_request(self, timeout: float, control: bool = False) -> dict[str, Any] | None:
+        """Next verified request, or None. Each socket is read by one thread only."""
+        sock = self.control if control else self.shell
+        if not sock.poll(int(timeout * 1000)):
             return None
-        frames = self.dealer.recv_multipart(copy=False)
+        frames = sock.recv_multipart(copy=False)
         try:
             _idents, rest = self.session.feed_identities(frames, copy=False)
             msg = self.session.deserialize(rest, content=True, copy=False)

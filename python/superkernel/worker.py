@@ -3,10 +3,10 @@
 Launched by the pool (``torchrun ... -m superkernel.worker --connection-file F --flavor torch``, or under
 ``mpirun``). Threads:
 
-* main thread: initialises the rank (``torch.distributed`` / MPI), then runs requests from a queue
-  (execute, complete, inspect, push, pull) in an IPython ``InteractiveShell``.
-* control thread: the only reader of the request socket. It queues work for the main thread, and acts at
-  once on ``interrupt`` (KeyboardInterrupt in the main thread) and ``shutdown``, even while a cell runs.
+* main thread: initialises the rank (``torch.distributed`` / MPI), then reads requests (execute, complete,
+  inspect, push, pull) from its own socket and runs them in an IPython ``InteractiveShell``.
+* control thread: reads the control socket and acts at once on ``interrupt`` (KeyboardInterrupt in the main
+  thread) and ``shutdown``, even while a cell runs.
   It also sends heartbeats and exits the rank when the kernel process is gone.
 * ipykernel's IOPub thread: sends everything (streams, displays, replies) on the PUSH socket, in order.
 
@@ -19,7 +19,6 @@ import argparse
 import logging
 import os
 import pickle
-import queue
 import signal
 import socket
 import sys
@@ -148,7 +147,6 @@ class Worker:
         self.info = info
         self.channels = WorkerChannels(info, self.rank)
         self.session = self.channels.session
-        self.work: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.busy = threading.Event()
         self.stopping = threading.Event()
         self._main_ident = threading.get_ident()
@@ -217,7 +215,7 @@ class Worker:
     def control_loop(self) -> None:
         last_beat = 0.0
         while not self.stopping.is_set():
-            msg = self.channels.recv_request(timeout=0.1)
+            msg = self.channels.recv_request(timeout=0.1, control=True)
             now = time.monotonic()
             if now - last_beat > HEARTBEAT_INTERVAL:
                 last_beat = now
@@ -232,12 +230,9 @@ class Worker:
                 self.interrupt()
             elif kind == "shutdown_request":
                 self.stopping.set()
-                self.work.put(None)
                 if self.busy.is_set():
                     self.interrupt()
                     threading.Timer(2.0, lambda: os._exit(0)).start()
-            else:
-                self.work.put(msg)
 
     def interrupt(self) -> None:
         if self.busy.is_set():
@@ -280,11 +275,11 @@ class Worker:
             "push_request": self.do_push,
             "pull_request": self.do_pull,
         }
-        while True:
+        while not self.stopping.is_set():
             try:
-                msg = self.work.get()
+                msg = self.channels.recv_request(timeout=0.1)
                 if msg is None:
-                    break
+                    continue
                 handler = handlers.get(msg["header"]["msg_type"])
                 if handler is None:
                     self.send("log", {"text": f"unknown request {msg['header']['msg_type']}"}, msg)
