@@ -301,6 +301,29 @@ def run(large: bool) -> None:
             if x[0] != sum(i + r for r in range(world)):
                 return f"async #{i}: {x[0]}"
         dist.barrier()
+        # the coalesced entry points torch uses inside a coalescing manager
+        a, b = gen(rank, "co1", 33, torch.float32), gen(rank, "co2", 5, torch.float32)
+        ga = torch.empty(world * 4)
+        rs_in = gen(rank, "co3", world * 3, torch.float32)
+        rs_out = torch.empty(3)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        cm.wait()
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_gather_into_tensor(ga, torch.full((4,), float(rank)))
+        cm.wait()
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+        cm.wait()
+        for key, n, got in (("co1", 33, a), ("co2", 5, b)):
+            if m := same(got, reference([gen(r, key, n, torch.float32) for r in range(world)], "SUM", torch.float32), torch.float32):
+                return f"coalesced all_reduce {key}: {m}"
+        if not torch.equal(ga, torch.arange(world).float().repeat_interleave(4)):
+            return f"coalesced all_gather_into_tensor: {ga}"
+        want = reference([gen(r, "co3", world * 3, torch.float32) for r in range(world)], "SUM", torch.float32)
+        if m := same(rs_out, want[rank * 3:(rank + 1) * 3], torch.float32):
+            return f"coalesced reduce_scatter_tensor: {m}"
         # gloo second opinion
         g = dist.new_group(backend="gloo")
         for n in [1, 1000, 250_001]:

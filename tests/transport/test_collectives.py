@@ -10,15 +10,15 @@ from tests.transport.world import run_world
 WORLDS = [(1, "auto"), (2, "shm"), (2, "tcp"), (3, "shm"), (3, "tcp"), (4, "shm"), (4, "tcp")]
 FAMILIES = ["all_reduce", "reduce", "broadcast", "all_gather", "gather_scatter", "reduce_scatter", "all_to_all",
             "send_recv", "misc"]
-_cache: dict[tuple[int, str], list[dict]] = {}
+_cache: dict[tuple[int, str], list] = {}
 
 
 def reports(world: int, transport: str) -> list[dict]:
+    # launched once per world, even when it fails (the failure is then reported by every test of it)
     if (world, transport) not in _cache:
-        results = run_world(world, "collective_suite.py", ["--large"] if world <= 3 else [], timeout=900,
-                            env={"SUPERKERNEL_TRANSPORT": transport})
-        _cache[(world, transport)] = [r.report() for r in results]
-    return _cache[(world, transport)]
+        _cache[(world, transport)] = run_world(world, "collective_suite.py", ["--large"] if world <= 3 else [],
+                                               timeout=900, env={"SUPERKERNEL_TRANSPORT": transport})
+    return [r.report() for r in _cache[(world, transport)]]
 
 
 @pytest.mark.parametrize("world,transport", WORLDS, ids=[f"{w}ranks-{t}" for w, t in WORLDS])

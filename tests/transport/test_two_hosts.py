@@ -19,7 +19,7 @@ def reports() -> list[dict]:
     if not _reports:
         with TwoHosts() as hosts:
             results = run_torch_job(hosts, str(HERE / "collective_suite.py"), ["--large"], nproc_per_host=2,
-                                    timeout=900, env={"SUPERKERNEL_TRANSPORT": "auto"})
+                                    timeout=900, env={"SUPERKERNEL_TRANSPORT": "auto", "SUPERKERNEL_FRONTEND": "0"})
         for res in results:
             found = [json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("REPORT ")]
             assert len(found) == 2, (f"host {res.host} exit {res.returncode} timed_out={res.timed_out}\n"

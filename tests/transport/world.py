@@ -44,6 +44,7 @@ def start_world(n: int, script: str, args: list[str], env: dict[str, str] | None
     procs = []
     for r in range(n):
         e = dict(os.environ)
+        e.pop("SUPERKERNEL_FRONTEND", None)  # ranks load the backend, whatever the test process set for kernels
         e.update({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                   "PYTHONUNBUFFERED": "1"})
