@@ -15,7 +15,8 @@ import superkernel  # noqa: F401
 
 scenario = sys.argv[1]
 timeout_s = float(os.environ.get("SUITE_TIMEOUT", "60"))
-dist.init_process_group("mk", timeout=datetime.timedelta(seconds=timeout_s))
+backend = os.environ.get("SUITE_BACKEND", "cpu:mk,cuda:nccl") if scenario == "mixed" else "mk"
+dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 rank, world = dist.get_rank(), dist.get_world_size()
 events: list[dict] = []
 
@@ -96,6 +97,16 @@ elif scenario == "kill9":
             break
     report()
     os._exit(0)
+elif scenario == "mixed":
+    from superkernel import backend as mkb
+    def cpu_allreduce():
+        t = torch.ones(3) * (rank + 1)
+        dist.all_reduce(t)
+        assert t[0].item() == sum(range(1, world + 1)), t
+        assert mkb.transports()[rank] == "self"
+    attempt("cpu_allreduce", cpu_allreduce)
+    events.append({"op": "backend", "ok": True, "name": str(dist.get_backend())})
+    report()
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 dist.destroy_process_group()
