@@ -1,22 +1,21 @@
 """Shared fixtures for the kernel tests: kernelspecs installed into a temporary prefix, and a small client
-that runs a cell and collects what the kernel published for it. The kernel side never needs torch, and
-neither does this test process."""
+that runs a cell and collects what the kernel published for it.
+
+The kernelspec sets SUPERKERNEL_FRONTEND=1 for the kernel process; this module must not set it in
+os.environ (every other test's subprocesses would then skip registering the mk backend)."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import queue
+import time
+from typing import Any, Iterator
 
-os.environ.setdefault("SUPERKERNEL_FRONTEND", "1")
+import psutil
+import pytest
+from jupyter_client.manager import KernelManager
 
-import dataclasses  # noqa: E402
-import queue  # noqa: E402
-import time  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
-
-import psutil  # noqa: E402
-import pytest  # noqa: E402
-from jupyter_client.manager import KernelManager  # noqa: E402
-
-from superkernel import install  # noqa: E402
+from superkernel import install
 
 SPECS = {
     # name: (flavor, ranks)
