@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <thread>
 
 #include "transport/error.h"
 #include "transport/host.h"
@@ -120,6 +121,9 @@ std::unique_ptr<Comm> Bootstrap::run(KeyValue& kv, int rank, int size, std::chro
   if (!tcp_peers.empty()) {
     std::vector<std::string> addrs(static_cast<size_t>(size));
     for (int r : tcp_peers) addrs[size_t(r)] = kv.get(cat("mk/tcp/", r));
+    // Test hook: hold back the connecting side so a test can knock on the listener first.
+    if (const char* d = std::getenv("SUPERKERNEL_TEST_CONNECT_DELAY_MS"); d && *d)
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(d)));
     comm->tcp_ = std::make_unique<TcpProvider>(rank, size, tcp_peers, addrs, *listener, secret, comm->matcher_,
                                                opt.tcp, deadline);
     listener->close();  // nothing of the job keeps listening once everyone is connected

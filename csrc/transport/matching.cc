@@ -58,7 +58,7 @@ void Matcher::delivered(const ArrivalPtr& a) {
     std::lock_guard<std::mutex> lock(mu_);
     a->delivered = true;
     req = a->req;
-    if (req && a->user_buf) std::memcpy(a->user_buf, a->dst, a->env.len);
+    if (req && a->user_buf && a->env.len) std::memcpy(a->user_buf, a->dst, a->env.len);
   }
   if (req) req->complete(a->env.len, a->env.src);
 }
@@ -92,7 +92,7 @@ RequestPtr Matcher::post_recv(int src, uint64_t tag, void* buf, size_t len, uint
       return req;
     }
   }
-  std::memcpy(buf, ready->dst, ready->env.len);
+  if (ready->env.len) std::memcpy(buf, ready->dst, ready->env.len);
   req->complete(ready->env.len, ready->env.src);
   return req;
 }

@@ -97,6 +97,13 @@ elif scenario == "kill9":
             break
     report()
     os._exit(0)
+elif scenario == "handshake":
+    def ok():
+        t = torch.ones(5)
+        dist.all_reduce(t)
+        assert t[0].item() == world
+    attempt("allreduce", ok)
+    report()
 elif scenario == "mixed":
     from superkernel import backend as mkb
     def cpu_allreduce():

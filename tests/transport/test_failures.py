@@ -140,3 +140,41 @@ def test_kill9_leaves_nothing_behind(transport: str) -> None:
     assert ev[0]["at"] - killed_at < 5, f"noticed after {ev[0]['at'] - killed_at:.1f}s"
     assert "peer 1" in ev[0]["error"] or "rank 1" in ev[0]["error"], ev[0]["error"]
     assert set(os.listdir("/dev/shm")) - shm_before == set(), "shared memory left in /dev/shm"
+
+
+def test_tcp_connection_without_the_job_secret_is_rejected_and_logged() -> None:
+    import socket
+    import struct
+
+    procs = start_world(2, "failure_suite.py", ["handshake"],
+                        env={"SUPERKERNEL_TRANSPORT": "tcp", "SUITE_TIMEOUT": "60"},
+                        per_rank_env={1: {"SUPERKERNEL_TEST_CONNECT_DELAY_MS": "6000"}})
+    # rank 0 reaches the bootstrap first and listens for rank 1: find that listener (not torch's store)
+    ports: set[int] = set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not ports:
+        inodes = socket_inodes(procs[0].pid)
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            port = int(f[1].split(":")[1], 16)
+            if f[3] == "0A" and f[9] in inodes and port != procs[0].master_port:
+                ports.add(port)
+        if not ports:
+            time.sleep(0.2)
+    assert len(ports) == 1, f"rank 0 listens on {ports} besides torch's store"
+    for port in ports:
+        # a stranger with the right protocol magic but the wrong secret, and one with garbage
+        for payload in (struct.pack("<IHHii32s", 0x4D4B5431, 1, 0, 1, 2, b"x" * 32), b"GET / HTTP/1.0\r\n\r\n" * 4):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(payload)
+                s.settimeout(5)
+                try:
+                    data = s.recv(64)
+                except (TimeoutError, ConnectionResetError):
+                    data = b""
+                assert data == b"", f"port {port} answered a stranger: {data!r}"
+    res = collect(procs, timeout=120)
+    for r in res:
+        ev = {e["op"]: e for e in r.report()["events"]}
+        assert ev["allreduce"]["ok"], ev["allreduce"]
+    assert "rejected a connection" in res[0].stderr and "wrong job secret" in res[0].stderr, res[0].stderr[-2000:]

@@ -50,8 +50,10 @@ def start_world(n: int, script: str, args: list[str], env: dict[str, str] | None
                   "PYTHONUNBUFFERED": "1"})
         e.update(env or {})
         e.update((per_rank_env or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        p = subprocess.Popen([sys.executable, str(HERE / script), *args], env=e, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        p.master_port = port  # type: ignore[attr-defined]  (torch's TCPStore, hosted by rank 0)
+        procs.append(p)
     return procs
 
 

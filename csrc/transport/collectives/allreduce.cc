@@ -29,31 +29,25 @@ void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const Op
   const size_t es = dtype_size(t);
   const size_t per_chunk = s.chunk_bytes() / es;
   std::vector<const void*> srcs(static_cast<size_t>(R));
-  size_t off = 0;
-  bool first = true;
-  do {
-    const size_t n = std::min(per_chunk, count - off);
-    const int slot = shm_begin(c, d, dl);
-    std::memcpy(s.slot(me, slot), buf + off * es, n * es);
-    shm_ready(c, slot, d, first, dl);
-    if (n * es <= kSmallBytes) {
+  auto fill = [&](int slot, size_t off, size_t n) { copy_bytes(s.slot(me, slot), buf + off * es, n * es); };
+  auto drain = [&](int slot, size_t off, size_t n) {
+    if (n * es <= kSmallBytes) {  // every rank reduces the whole chunk: one synchronisation
       for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot);
       reduce_many(buf + off * es, srcs.data(), R, n, t, op);
-    } else {
-      const size_t per = align_elems((n + size_t(R) - 1) / size_t(R), es);
-      const size_t lo = std::min(n, per * size_t(me)), hi = std::min(n, lo + per);
-      for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + lo * es;
-      reduce_many(s.slot(me, slot) + lo * es, srcs.data(), R, hi - lo, t, op);
-      shm_sync(c, d, dl);
-      for (int r = 0; r < R; ++r) {
-        const size_t rlo = std::min(n, per * size_t(r)), rhi = std::min(n, rlo + per);
-        std::memcpy(buf + (off + rlo) * es, s.slot(r, slot) + rlo * es, (rhi - rlo) * es);
-      }
+      return;
     }
-    shm_done(c, slot);
-    off += n;
-    first = false;
-  } while (off < count);
+    // each rank reduces its slice of every input in place, then everyone gathers the slices
+    const size_t per = align_elems((n + size_t(R) - 1) / size_t(R), es);
+    const size_t lo = std::min(n, per * size_t(me)), hi = std::min(n, lo + per);
+    for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + lo * es;
+    reduce_many(s.slot(me, slot) + lo * es, srcs.data(), R, hi - lo, t, op);
+    shm_sync(c, d, dl);
+    for (int r = 0; r < R; ++r) {
+      const size_t rlo = std::min(n, per * size_t(r)), rhi = std::min(n, rlo + per);
+      copy_bytes(buf + (off + rlo) * es, s.slot(r, slot) + rlo * es, (rhi - rlo) * es);
+    }
+  };
+  shm_chunks(c, d, dl, count, per_chunk, true, fill, drain);
 }
 
 // The ranks an algorithm runs over (all of the group, or one leader per host) and our index among them.
@@ -134,16 +128,11 @@ void p2p_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t, 
 // Local broadcast of the leader's (local rank 0's) buffer through the staging slots.
 void shm_bcast_from_leader(Comm& c, char* buf, size_t bytes, const OpDesc& d, const Deadline& dl) {
   ShmProvider& s = *c.shm();
-  size_t off = 0;
-  do {
-    const size_t n = std::min(s.chunk_bytes(), bytes - off);
-    const int slot = shm_begin(c, d, dl);
-    if (s.local_rank() == 0) std::memcpy(s.slot(0, slot), buf + off, n);
-    shm_ready(c, slot, d, false, dl);
-    if (s.local_rank() != 0) std::memcpy(buf + off, s.slot(0, slot), n);
-    shm_done(c, slot);
-    off += n;
-  } while (off < bytes);
+  const bool leader = s.local_rank() == 0;
+  shm_chunks(
+      c, d, dl, bytes, s.chunk_bytes(), false,
+      [&](int slot, size_t off, size_t n) { if (leader) copy_bytes(s.slot(0, slot), buf + off, n); },
+      [&](int slot, size_t off, size_t n) { if (!leader) copy_bytes(buf + off, s.slot(0, slot), n); });
 }
 
 // Across hosts. With several ranks on this host: reduce inside the host over shared memory, allreduce
@@ -228,26 +217,23 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   if (R == 1) {
-    std::memmove(dst, src, count * es);
+    copy_bytes(dst, src, count * es);
   } else if (c.all_local()) {
     ShmProvider& s = *c.shm();
     const int lme = s.local_rank();
     const size_t per_chunk = std::max<size_t>(1, s.chunk_bytes() / es / size_t(R));
     std::vector<const void*> srcs(static_cast<size_t>(R));
-    size_t off = 0;
-    bool first = true;
-    do {
-      const size_t n = std::min(per_chunk, count - off);
-      const int slot = shm_begin(c, d, dl);
-      char* mine = s.slot(lme, slot);
-      for (int r = 0; r < R; ++r) std::memcpy(mine + size_t(r) * n * es, src + (size_t(r) * count + off) * es, n * es);
-      shm_ready(c, slot, d, first, dl);
-      for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + size_t(me) * n * es;
-      reduce_many(dst + off * es, srcs.data(), R, n, t, op);
-      shm_done(c, slot);
-      off += n;
-      first = false;
-    } while (off < count);
+    shm_chunks(
+        c, d, dl, count, per_chunk, true,
+        [&](int slot, size_t off, size_t n) {
+          char* mine = s.slot(lme, slot);
+          for (int r = 0; r < R; ++r)
+            copy_bytes(mine + size_t(r) * n * es, src + (size_t(r) * count + off) * es, n * es);
+        },
+        [&](int slot, size_t off, size_t n) {
+          for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + size_t(me) * n * es;
+          reduce_many(dst + off * es, srcs.data(), R, n, t, op);
+        });
   } else if (is_half(t)) {
     std::vector<float> wide(count * size_t(R));
     to_f32(wide.data(), src, wide.size(), t);
@@ -258,7 +244,7 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
     // The ring leaves segment `me` reduced; segments are exactly the blocks when count*R splits evenly.
     std::vector<char> work(src, src + count * size_t(R) * es);
     ring_allreduce(c, Members::all(c), work.data(), count * size_t(R), t, op, seq, d.check(), dl, false);
-    std::memcpy(dst, work.data() + size_t(me) * count * es, count * es);
+    copy_bytes(dst, work.data() + size_t(me) * count * es, count * es);
   }
   if (op == RedOp::avg) finish_avg(out, count, t, R);
 }

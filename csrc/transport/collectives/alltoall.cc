@@ -26,10 +26,10 @@ void shm_alltoall(Comm& c, const OpDesc& d, const char* src, char* dst, const st
   for (size_t k = 0; k < rounds; ++k) {
     const int slot = shm_begin(c, d, dl);
     char* mine = s.slot(me, slot);
-    std::memcpy(mine, std::vector<uint64_t>(sb.begin(), sb.end()).data(), table);
+    copy_bytes(mine, std::vector<uint64_t>(sb.begin(), sb.end()).data(), table);
     for (int to = 0; to < R; ++to) {
       const size_t off = std::min(sb[size_t(to)], k * piece), n = std::min(piece, sb[size_t(to)] - off);
-      std::memcpy(mine + table + size_t(to) * piece, src + so[size_t(to)] + off, n);
+      copy_bytes(mine + table + size_t(to) * piece, src + so[size_t(to)] + off, n);
     }
     s.slot_desc(me, slot)[6].store(my_max, std::memory_order_relaxed);
     shm_ready(c, slot, d, k == 0, dl);
@@ -40,7 +40,7 @@ void shm_alltoall(Comm& c, const OpDesc& d, const char* src, char* dst, const st
         global_max = std::max<size_t>(global_max, s.slot_desc(from, slot)[6].load(std::memory_order_relaxed));
         uint64_t theirs[1];
         for (int to = 0; to < R; ++to) {
-          std::memcpy(theirs, s.slot(from, slot) + sizeof(uint64_t) * size_t(to), sizeof(uint64_t));
+          copy_bytes(theirs, s.slot(from, slot) + sizeof(uint64_t) * size_t(to), sizeof(uint64_t));
           // Every rank checks every pair, so all ranks agree on whether to fail.
           if (to == me && theirs[0] != rb[size_t(from)] && bad.empty())
             bad = cat("rank ", me, " expects ", rb[size_t(from)], " bytes from rank ", from, ", which sends ", theirs[0]);
@@ -60,7 +60,7 @@ void shm_alltoall(Comm& c, const OpDesc& d, const char* src, char* dst, const st
     }
     for (int from = 0; from < R; ++from) {
       const size_t off = std::min(rb[size_t(from)], k * piece), n = std::min(piece, rb[size_t(from)] - off);
-      std::memcpy(dst + ro[size_t(from)] + off, s.slot(from, slot) + table + size_t(me) * piece, n);
+      copy_bytes(dst + ro[size_t(from)] + off, s.slot(from, slot) + table + size_t(me) * piece, n);
     }
     shm_done(c, slot);
   }
@@ -91,7 +91,7 @@ void alltoall(Comm& c, const void* in, void* out, const std::vector<size_t>& sen
     const int to = (me + k) % R;
     reqs.emplace_back(to, c.isend(to, coll_tag(seq, 0), src + send_off[size_t(to)], send_bytes[size_t(to)], d.check()));
   }
-  std::memmove(dst + recv_off[size_t(me)], src + send_off[size_t(me)], send_bytes[size_t(me)]);
+  copy_bytes(dst + recv_off[size_t(me)], src + send_off[size_t(me)], send_bytes[size_t(me)]);
   for (auto& [peer, r] : reqs) c.wait(r, dl, "alltoall", peer);
 }
 

@@ -29,19 +29,12 @@ void broadcast(Comm& c, void* buf, size_t bytes, int root) {
   if (R == 1) return;
   if (c.all_local()) {
     ShmProvider& s = *c.shm();
-    const int lroot = root;  // all_local: local ranks are the group's ranks in order
-    size_t off = 0;
-    bool first = true;
-    do {
-      const size_t n = std::min(s.chunk_bytes(), bytes - off);
-      const int slot = shm_begin(c, d, dl);
-      if (c.rank() == root) std::memcpy(s.slot(s.local_rank(), slot), p + off, n);
-      shm_ready(c, slot, d, first, dl);
-      if (c.rank() != root) std::memcpy(p + off, s.slot(lroot, slot), n);
-      shm_done(c, slot);
-      off += n;
-      first = false;
-    } while (off < bytes);
+    // all_local: the group's ranks are the host's local ranks, in order
+    const bool is_root = c.rank() == root;
+    shm_chunks(
+        c, d, dl, bytes, s.chunk_bytes(), true,
+        [&](int slot, size_t off, size_t n) { if (is_root) copy_bytes(s.slot(root, slot), p + off, n); },
+        [&](int slot, size_t off, size_t n) { if (!is_root) copy_bytes(p + off, s.slot(root, slot), n); });
     return;
   }
   const int vr = (c.rank() - root + R) % R;
@@ -74,32 +67,26 @@ void scatter(Comm& c, const void* in, void* out, size_t bytes, int root) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   if (R == 1) {
-    std::memmove(dst, src, bytes);
+    copy_bytes(dst, src, bytes);
     return;
   }
   if (c.all_local()) {
     ShmProvider& s = *c.shm();
     const size_t per_chunk = std::max<size_t>(1, s.chunk_bytes() / size_t(R));
-    size_t off = 0;
-    bool first = true;
-    do {
-      const size_t n = std::min(per_chunk, bytes - off);
-      const int slot = shm_begin(c, d, dl);
-      if (c.rank() == root)
-        for (int r = 0; r < R; ++r) std::memcpy(s.slot(s.local_rank(), slot) + size_t(r) * n, src + size_t(r) * bytes + off, n);
-      shm_ready(c, slot, d, first, dl);
-      std::memcpy(dst + off, s.slot(root, slot) + size_t(c.rank()) * n, n);
-      shm_done(c, slot);
-      off += n;
-      first = false;
-    } while (off < bytes);
+    shm_chunks(
+        c, d, dl, bytes, per_chunk, true,
+        [&](int slot, size_t off, size_t n) {
+          if (c.rank() == root)
+            for (int r = 0; r < R; ++r) copy_bytes(s.slot(root, slot) + size_t(r) * n, src + size_t(r) * bytes + off, n);
+        },
+        [&](int slot, size_t off, size_t n) { copy_bytes(dst + off, s.slot(root, slot) + size_t(c.rank()) * n, n); });
     return;
   }
   if (c.rank() == root) {
     std::vector<std::pair<int, RequestPtr>> sends;
     for (int r = 0; r < R; ++r)
       if (r != root) sends.emplace_back(r, c.isend(r, coll_tag(seq, 0), src + size_t(r) * bytes, bytes, d.check()));
-    std::memmove(dst, src + size_t(root) * bytes, bytes);
+    copy_bytes(dst, src + size_t(root) * bytes, bytes);
     for (auto& [r, q] : sends) c.wait(q, dl, "scatter", r);
   } else {
     c.wait(c.irecv(root, coll_tag(seq, 0), dst, bytes, d.check()), dl, "scatter", root);

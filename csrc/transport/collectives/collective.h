@@ -1,6 +1,8 @@
 // Small pieces every collective algorithm uses: message tags, operation checks, the shm step protocol.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "transport/comm.h"
@@ -28,6 +30,11 @@ inline const char* kind_name(Kind k) {
 
 // Tags of collective-internal messages: top bit set, then the collective's sequence number and a step.
 inline uint64_t coll_tag(uint64_t seq, uint32_t step) { return (1ull << 63) | (seq << 24) | (step & 0xffffff); }
+
+// memcpy/memmove that accept the null pointers of empty tensors (n == 0).
+inline void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n) std::memmove(dst, src, n);
+}
 
 inline uint64_t mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
@@ -78,6 +85,27 @@ int shm_begin(Comm& c, const OpDesc& d, const Deadline& dl);
 void shm_ready(Comm& c, int slot, const OpDesc& d, bool first, const Deadline& dl);
 void shm_sync(Comm& c, const OpDesc& d, const Deadline& dl);
 void shm_done(Comm& c, int slot);
+
+// A segment collective in chunks of at most `per_chunk` units of `total`: for each chunk [off, off + n)
+// take a slot, fill(slot, off, n) our part of it, ready (descriptors compared on the first chunk when
+// `check`), drain(slot, off, n) what we need from the peers' slots, done. Runs once even when total is 0,
+// so every rank meets the others and a size mismatch is still seen.
+template <typename Fill, typename Drain>
+void shm_chunks(Comm& c, const OpDesc& d, const Deadline& dl, size_t total, size_t per_chunk, bool check, Fill fill,
+                Drain drain) {
+  size_t off = 0;
+  bool first = true;
+  do {
+    const size_t n = std::min(per_chunk, total - off);
+    const int slot = shm_begin(c, d, dl);
+    fill(slot, off, n);
+    shm_ready(c, slot, d, first && check, dl);
+    drain(slot, off, n);
+    shm_done(c, slot);
+    off += n;
+    first = false;
+  } while (off < total);
+}
 
 // Point-to-point helpers for the ring/tree algorithms.
 void sendrecv(Comm& c, const char* op, int dst, const void* sbuf, size_t sbytes, int src, void* rbuf,

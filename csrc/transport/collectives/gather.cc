@@ -16,19 +16,13 @@ void shm_gather(Comm& c, const OpDesc& d, const char* src, char* dst, size_t byt
   ShmProvider& s = *c.shm();
   const int R = c.size();
   const bool reader = root < 0 || c.rank() == root;
-  size_t off = 0;
-  bool first = true;
-  do {
-    const size_t n = std::min(s.chunk_bytes(), bytes - off);
-    const int slot = shm_begin(c, d, dl);
-    std::memcpy(s.slot(s.local_rank(), slot), src + off, n);
-    shm_ready(c, slot, d, first, dl);
-    if (reader)
-      for (int r = 0; r < R; ++r) std::memcpy(dst + size_t(r) * bytes + off, s.slot(r, slot), n);
-    shm_done(c, slot);
-    off += n;
-    first = false;
-  } while (off < bytes);
+  shm_chunks(
+      c, d, dl, bytes, s.chunk_bytes(), true,
+      [&](int slot, size_t off, size_t n) { copy_bytes(s.slot(s.local_rank(), slot), src + off, n); },
+      [&](int slot, size_t off, size_t n) {
+        if (reader)
+          for (int r = 0; r < R; ++r) copy_bytes(dst + size_t(r) * bytes + off, s.slot(r, slot), n);
+      });
 }
 
 }  // namespace
@@ -42,11 +36,11 @@ void allgather(Comm& c, const void* in, void* out, size_t bytes) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   if (R == 1) {
-    std::memmove(dst, src, bytes);
+    copy_bytes(dst, src, bytes);
     return;
   }
   if (c.all_local()) return shm_gather(c, d, src, dst, bytes, -1, dl);
-  std::memmove(dst + size_t(me) * bytes, src, bytes);
+  copy_bytes(dst + size_t(me) * bytes, src, bytes);
   const int right = (me + 1) % R, left = (me - 1 + R) % R;
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k) % R + R) % R, ri = ((me - k - 1) % R + R) % R;
@@ -66,7 +60,7 @@ void gather(Comm& c, const void* in, void* out, size_t bytes, int root) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   if (R == 1) {
-    std::memmove(dst, src, bytes);
+    copy_bytes(dst, src, bytes);
     return;
   }
   if (c.all_local()) return shm_gather(c, d, src, dst, bytes, root, dl);
@@ -74,7 +68,7 @@ void gather(Comm& c, const void* in, void* out, size_t bytes, int root) {
     std::vector<std::pair<int, RequestPtr>> recvs;
     for (int r = 0; r < R; ++r)
       if (r != root) recvs.emplace_back(r, c.irecv(r, coll_tag(seq, 0), dst + size_t(r) * bytes, bytes, d.check()));
-    std::memmove(dst + size_t(root) * bytes, src, bytes);
+    copy_bytes(dst + size_t(root) * bytes, src, bytes);
     for (auto& [r, q] : recvs) c.wait(q, dl, "gather", r);
   } else {
     c.wait(c.isend(root, coll_tag(seq, 0), src, bytes, d.check()), dl, "gather", root);
