@@ -79,8 +79,9 @@ elif scenario == "timeout":
 elif scenario == "recv_timeout":
     if rank == 0:
         attempt("recv", lambda: dist.recv(torch.empty(3), src=1, tag=9))
+    else:
+        time.sleep(timeout_s + 3)  # stay connected (and silent) until rank 0 has given up
     report()
-    dist.barrier() if rank != 0 else None
     os._exit(0)
 elif scenario == "kill9":
     dist.barrier()
