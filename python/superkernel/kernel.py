@@ -485,6 +485,11 @@ class SuperKernel(IPythonKernel):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_sigint)
 
+    def pre_handler_hook(self) -> None:
+        # ipykernel installs default_int_handler while a shell handler runs; a KeyboardInterrupt raised in the
+        # event loop while we await the ranks would lose the cell, so SIGINT keeps going to _on_sigint
+        self.saved_sigint_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
     # --------------------------------------------------------------------------- requests to one rank
     async def request(self, rank: int, msg_type: str, content: dict[str, Any],
                       buffers: list[bytes] | None = None, timeout: float = REQUEST_TIMEOUT) -> Event:

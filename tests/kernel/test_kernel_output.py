@@ -207,3 +207,17 @@ def test_interrupt_a_local_cell(kernel2):
     assert r.elapsed < 1.0 and r.status == "error" and r.reply["ename"] == "KeyboardInterrupt"
     assert kernel2.ok("%%local\nlocal_before").result == "1"
     assert kernel2.ok("rank").result == "[rank 0] 0\n[rank 1] 1"
+
+
+def test_sigint_to_the_kernel_process_interrupts_the_ranks(kernel2):
+    """Front ends that interrupt with a signal (interrupt_mode "signal") instead of a message."""
+    import signal
+    import time
+
+    msg_id = kernel2.execute("import time\ntime.sleep(100)")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    kernel2.km.signal_kernel(signal.SIGINT)
+    r = kernel2.collect(msg_id, timeout=30, t0=t0)
+    assert r.elapsed < 1.0 and r.reply["ename"] == "KeyboardInterrupt"
+    assert kernel2.ok("1").result == "[ranks 0,1] 1"
