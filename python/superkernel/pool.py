@@ -215,12 +215,29 @@ class Pool:
                 raise PoolStartError(self.failed)
             if time.monotonic() > deadline:
                 raise PoolStartError(f"pool did not start within {timeout or self.spec.start_timeout:.0f} s; "
-                                     f"{len(self.ranks)}/{self.spec.nranks} ranks ready.\n" + self.launcher_tail())
+                                     f"{len(self.ranks)}/{self.spec.nranks} ranks ready.\n" + self.launcher_failure())
         if progress:
             progress(self.expected, self.expected)
 
     def launcher_tail(self, n: int = 30) -> str:
         return "\n".join(list(self._launcher_output)[-n:])
+
+    def launcher_failure(self) -> str:
+        """The first traceback a rank printed (why it failed), then the end of the launcher's output."""
+        lines = list(self._launcher_output)
+        first: list[str] = []
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith("Traceback (most recent call last)"):
+                block = [line]
+                for nxt in lines[i + 1:]:
+                    block.append(nxt)
+                    if nxt and not nxt[0].isspace() and not nxt.startswith("Traceback"):
+                        break  # the exception line ends the traceback
+                if not any("torch/distributed/run.py" in b or "elastic" in b for b in block):
+                    first = block[-12:]
+                    break
+        tail = lines[-8:]
+        return "\n".join(first + (["..."] if first else []) + tail)
 
     # ---------------------------------------------------------------------------------------- requests
     def send(self, rank: int, msg_type: str, content: dict[str, Any], **kw: Any) -> dict[str, Any]:
@@ -319,7 +336,7 @@ class Pool:
                 if proc.poll() is not None and not self.failed:
                     time.sleep(0.2)  # let the reader thread collect the last lines
                     self.failed = (f"pool launcher exited with code {proc.returncode} before all ranks started "
-                                   f"({len(self.ranks)}/{self.spec.nranks} ready):\n" + self.launcher_tail())
+                                   f"({len(self.ranks)}/{self.spec.nranks} ready):\n" + self.launcher_failure())
             return
         gone: list[RankInfo] = []
         for r, info in self.ranks.items():

@@ -157,3 +157,27 @@ def test_a_killed_kernel_leaves_no_pool_behind(kernel_prefix):
     k.kc.stop_channels()
     k.km.cleanup_resources()
     assert not left, [p.cmdline() for p in left]
+
+
+def test_a_pool_that_cannot_start_says_why(tmp_path):
+    from superkernel import install
+
+    install.install("torch", "sk-test-bogus", 2, prefix=str(tmp_path), backend="bogus")
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = str(tmp_path / "share" / "jupyter")
+    try:
+        k = KernelSession("sk-test-bogus")
+    finally:
+        if old is None:
+            os.environ.pop("JUPYTER_PATH", None)
+        else:
+            os.environ["JUPYTER_PATH"] = old
+    try:
+        r = k.run("1", timeout=120)
+        assert r.status == "error" and r.reply["ename"] == "PoolError"
+        assert "before all ranks started" in r.reply["evalue"]
+        assert "Unknown backend type bogus" in r.reply["evalue"]  # the rank's own traceback, not torchrun's
+        k.kc.kernel_info()
+        assert k.kc.get_shell_msg(timeout=5)["content"]["status"] == "ok"  # the kernel is alive
+    finally:
+        k.shutdown()
