@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine:
 #   bash run.sh example   build, then run notebooks/examples.ipynb (or the demo) on a local 2-rank CPU pool
-#   bash run.sh test      build, then run the whole test suite
+#   bash run.sh test      build, then run the whole test suite (then a sanitizer pass over the transport)
 #   bash run.sh sanitize  the transport tests against an ASan+UBSan build of the extension
 # Everything it needs is bootstrapped: Debian packages (when root), a pinned virtual environment cached
 # outside the checkout (keyed by requirements.txt), and an incremental ccache'd build of superkernel._C.
@@ -84,6 +84,18 @@ case "$cmd" in
     rc=$?
     set -e
     if [ $rc -eq 5 ]; then log "pytest collected no tests: failing"; exit 1; fi
+    [ $rc -eq 0 ] || exit $rc
+    if [ $# -eq 0 ]; then
+      # The whole suite also re-runs the transport's failure paths and the 2-rank collectives against an
+      # ASan+UBSan build (the full sanitizer run is `bash run.sh sanitize`).
+      log "sanitizer pass: transport tests against an ASan+UBSan build"
+      set +e
+      (sanitize_env && python -m pytest -q tests/transport/test_failures.py tests/transport/test_collectives.py \
+          -k "failures or 2ranks")
+      rc=$?
+      set -e
+      if [ $rc -eq 5 ]; then log "sanitizer pass collected no tests: failing"; exit 1; fi
+    fi
     exit $rc
     ;;
   sanitize)
