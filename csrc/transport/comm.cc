@@ -20,8 +20,13 @@ const char* Comm::transport_of(int peer) const {
 
 void Comm::check_usable(const char* op) const {
   if (aborted_.load())
-    throw PeerError(cat("mk ", op, ": rank ", rank_, ": the communicator was aborted earlier (", abort_reason_,
+    throw PeerError(cat("mk ", op, ": rank ", rank_, ": the communicator was aborted earlier (", abort_reason(),
                         "); create a new process group"));
+}
+
+std::string Comm::abort_reason() const {
+  std::lock_guard<std::mutex> lock(abort_mu_);
+  return abort_reason_;
 }
 
 RequestPtr Comm::isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check) {
@@ -47,8 +52,12 @@ void Comm::wait(const RequestPtr& r, const Deadline& d, const char* op, int peer
 }
 
 void Comm::abort(const std::string& why) {
-  if (aborted_.exchange(true)) return;
-  abort_reason_ = why;
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (aborted_.load()) return;
+    abort_reason_ = why;
+    aborted_.store(true);
+  }
   if (shm_) shm_->abort(why);
   if (tcp_) tcp_->abort(why);
   matcher_.fail_all(cat("rank ", rank_, ": communicator aborted: ", why));

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -57,7 +58,7 @@ class Comm {
   // Fail everything in flight and refuse new operations; peers notice (connections drop, shm flag).
   void abort(const std::string& why);
   bool aborted() const { return aborted_.load(); }
-  const std::string& abort_reason() const { return abort_reason_; }
+  std::string abort_reason() const;
   void check_usable(const char* op) const;
 
  private:
@@ -72,6 +73,7 @@ class Comm {
   std::vector<Provider*> route_;
   uint64_t seq_ = 0;
   std::atomic<bool> aborted_{false};
+  mutable std::mutex abort_mu_;
   std::string abort_reason_;
 };
 

@@ -237,7 +237,10 @@ uint64_t ShmProvider::publish() {
 }
 
 void ShmProvider::check_peer(int j, const char* op) {
-  if (aborted_.load()) throw PeerError(cat("mk ", op, ": rank ", rank_, ": communicator aborted: ", abort_reason_));
+  if (aborted_.load()) {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    throw PeerError(cat("mk ", op, ": rank ", rank_, ": communicator aborted: ", abort_reason_));
+  }
   if (peers_[j]->control()->aborted.load())
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": peer ", locals_[j], " aborted the communicator"));
   bool dead = false;
@@ -307,7 +310,12 @@ RequestPtr ShmProvider::isend(int peer, uint64_t tag, const void* buf, size_t le
   if (j >= local_size() || j == me_) throw Error(cat("mk shm: rank ", rank_, ": peer ", peer, " is not on this host"));
   auto req = std::make_shared<Request>();
   if (aborted_.load()) {
-    req->fail(cat("rank ", rank_, ": communicator aborted: ", abort_reason_));
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      why = abort_reason_;
+    }
+    req->fail(cat("rank ", rank_, ": communicator aborted: ", why));
     return req;
   }
   if (!alive_[size_t(j)].load()) {
@@ -486,8 +494,12 @@ void ShmProvider::fail_peer(int j, const std::string& why) {
 }
 
 void ShmProvider::abort(const std::string& why) {
-  if (aborted_.exchange(true)) return;
-  abort_reason_ = why;
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (aborted_.load()) return;
+    abort_reason_ = why;
+    aborted_.store(true);
+  }
   Control* c = own_->control();
   c->aborted.store(1);
   c->step_word.fetch_add(1);

@@ -91,6 +91,7 @@ class ShmProvider final : public Provider {
   std::chrono::microseconds spin_{50};
   std::atomic<bool> stop_{false};
   std::atomic<bool> aborted_{false};
+  mutable std::mutex abort_mu_;
   std::string abort_reason_;
   std::thread progress_;
 };
