@@ -1,5 +1,6 @@
 #include "transport/matching.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "transport/error.h"
@@ -16,39 +17,33 @@ std::string Matcher::mismatch(const Envelope& env, size_t len, uint64_t check) c
   return {};
 }
 
-void Matcher::bind(Arrival& a, Posted& p) {
-  a.req = p.req;
-  std::string bad = mismatch(a.env, p.len, p.check);
-  if (!bad.empty()) {
-    // Take the payload into storage and drop it; the recv fails now.
-    a.req = nullptr;
-    p.req->fail(bad);
-    a.storage.resize(a.env.len);
-    a.dst = a.storage.data();
-    return;
-  }
-  if (a.dst == nullptr) {
-    a.dst = static_cast<char*>(p.buf);  // payload goes straight into the user's buffer
-  } else {
-    a.user_buf = p.buf;  // already arriving into storage: copy on delivery
-  }
-}
-
 ArrivalPtr Matcher::arrive(const Envelope& env) {
   auto a = std::make_shared<Arrival>();
   a->env = env;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = posted_.begin(); it != posted_.end(); ++it) {
-    if ((it->src == env.src || it->src == kAnySource) && it->tag == env.tag) {
+  RequestPtr refused;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(posted_.begin(), posted_.end(), [&](const Posted& p) {
+      return (p.src == env.src || p.src == kAnySource) && p.tag == env.tag;
+    });
+    if (it != posted_.end()) {
       Posted p = *it;
       posted_.erase(it);
-      bind(*a, p);
-      return a;
+      why = mismatch(env, p.len, p.check);
+      if (why.empty()) {
+        a->req = p.req;
+        a->dst = static_cast<char*>(p.buf);  // the payload goes straight into the user's buffer
+        return a;
+      }
+      refused = p.req;  // wrong size or operation: the recv fails, the payload is taken and dropped
+    } else {
+      unexpected_.push_back(a);
     }
+    a->storage.resize(env.len);
+    a->dst = a->storage.data();
   }
-  a->storage.resize(env.len);
-  a->dst = a->storage.data();
-  unexpected_.push_back(a);
+  if (refused) refused->fail(why);  // outside the lock: failing runs the waiter's callbacks
   return a;
 }
 
@@ -68,29 +63,25 @@ RequestPtr Matcher::post_recv(int src, uint64_t tag, void* buf, size_t len, uint
   ArrivalPtr ready;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
-      ArrivalPtr a = *it;
-      if ((src == a->env.src || src == kAnySource) && a->env.tag == tag) {
-        unexpected_.erase(it);
-        std::string bad = mismatch(a->env, len, check);
-        if (!bad.empty()) {
-          req->fail(bad);
-          return req;
-        }
-        if (a->delivered) {
-          ready = a;
-        } else {
-          a->req = req;  // still arriving: delivered() copies it into buf
-          a->user_buf = buf;
-        }
-        if (ready) break;
-        return req;
-      }
-    }
-    if (!ready) {
+    auto it = std::find_if(unexpected_.begin(), unexpected_.end(), [&](const ArrivalPtr& a) {
+      return (src == a->env.src || src == kAnySource) && a->env.tag == tag;
+    });
+    if (it == unexpected_.end()) {
       posted_.push_back(Posted{src, tag, buf, len, check, req});
       return req;
     }
+    ArrivalPtr a = *it;
+    unexpected_.erase(it);
+    if (std::string bad = mismatch(a->env, len, check); !bad.empty()) {
+      req->fail(bad);
+      return req;
+    }
+    if (!a->delivered) {  // still arriving: delivered() copies it into buf
+      a->req = req;
+      a->user_buf = buf;
+      return req;
+    }
+    ready = std::move(a);
   }
   if (ready->env.len) std::memcpy(buf, ready->dst, ready->env.len);
   req->complete(ready->env.len, ready->env.src);

@@ -62,8 +62,6 @@ class Matcher {
     uint64_t check;
     RequestPtr req;
   };
-  // Fill in the match of `a` with `p` (caller holds mu_).
-  void bind(Arrival& a, Posted& p);
   std::string mismatch(const Envelope& env, size_t len, uint64_t check) const;
 
   const int rank_;

@@ -97,9 +97,18 @@ struct Staged {
   void* ptr() const { return work.data_ptr(); }
 };
 
-std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested, const Comm& c) {
-  return requested.count() > 0 ? requested : c.timeout();
-}
+// An operation's own timeout (c10d's per-call `timeout` option) for as long as it runs.
+class TimeoutScope {
+ public:
+  TimeoutScope(Comm& c, std::chrono::milliseconds t) : comm_(c), saved_(c.timeout()) {
+    if (t.count() > 0) comm_.set_timeout(t);
+  }
+  ~TimeoutScope() { comm_.set_timeout(saved_); }
+
+ private:
+  Comm& comm_;
+  std::chrono::milliseconds saved_;
+};
 
 }  // namespace
 
@@ -182,8 +191,13 @@ void ProcessGroupMK::run(const c10::intrusive_ptr<WorkMK>& work, const Task& fn,
   }
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupMK::enqueue(c10d::OpType type, const char* title,
+c10::intrusive_ptr<c10d::Work> ProcessGroupMK::enqueue(std::chrono::milliseconds timeout, c10d::OpType type,
+                                                       const char* title,
                                                        std::vector<at::Tensor> outputs, size_t bytes, Task fn) {
+  fn = [this, timeout, inner = std::move(fn)] {
+    TimeoutScope scope(*comm_, timeout);
+    inner();
+  };
   // Collectives end by their own deadline; the Work's own limit only guards against a stuck worker.
   auto work = c10::make_intrusive<WorkMK>(rank_, type, title, std::move(outputs), comm_->timeout() * 2);
   std::unique_lock<std::mutex> lock(mu_);
@@ -213,16 +227,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::allreduce(std::vector<at::Tensor>
     bytes += nbytes(t);
   }
   const RedOp op = to_redop(opts.reduceOp, "allreduce", rank_);
-  auto timeout = op_timeout(opts.timeout, *comm_);
-  return enqueue(c10d::OpType::ALLREDUCE, "mk:all_reduce", tensors, bytes, [this, tensors, op, timeout] {
-    auto saved = comm_->timeout();
-    comm_->set_timeout(timeout);
+  return enqueue(opts.timeout, c10d::OpType::ALLREDUCE, "mk:all_reduce", tensors, bytes, [this, tensors, op] {
     for (const auto& t : tensors) {
       Staged s(t);
       coll::allreduce(*comm_, s.ptr(), size_t(t.numel()), to_dtype(t, "allreduce", rank_), op);
       s.copy_back();
     }
-    comm_->set_timeout(saved);
   });
 }
 
@@ -239,7 +249,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::broadcast(std::vector<at::Tensor>
   check_single(tensors, "broadcast", rank_);
   const int root = int(opts.rootRank);
   at::Tensor t = tensors[0];
-  return enqueue(c10d::OpType::BROADCAST, "mk:broadcast", tensors, nbytes(t), [this, t, root] {
+  return enqueue(opts.timeout, c10d::OpType::BROADCAST, "mk:broadcast", tensors, nbytes(t), [this, t, root] {
     Staged s(t);
     coll::broadcast(*comm_, s.ptr(), nbytes(t), root);
     s.copy_back();
@@ -251,7 +261,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::reduce(std::vector<at::Tensor>& t
   const RedOp op = to_redop(opts.reduceOp, "reduce", rank_);
   const int root = int(opts.rootRank);
   at::Tensor t = tensors[0];
-  return enqueue(c10d::OpType::REDUCE, "mk:reduce", tensors, nbytes(t), [this, t, op, root] {
+  return enqueue(opts.timeout, c10d::OpType::REDUCE, "mk:reduce", tensors, nbytes(t), [this, t, op, root] {
     Staged s(t);
     coll::reduce(*comm_, s.ptr(), size_t(t.numel()), to_dtype(t, "reduce", rank_), op, root);
     if (rank_ == root) s.copy_back();
@@ -267,7 +277,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::allgather(std::vector<std::vector
   at::Tensor in = inputs[0];
   std::vector<at::Tensor> outs = outputs[0];
   for (size_t i = 0; i < outs.size(); ++i) check_like(outs[i], in, "allgather", rank_, "output tensor", i);
-  return enqueue(c10d::OpType::ALLGATHER, "mk:all_gather", outs, nbytes(in) * size_t(size_), [this, in, outs] {
+  return enqueue(opts.timeout, c10d::OpType::ALLGATHER, "mk:all_gather", outs, nbytes(in) * size_t(size_), [this, in, outs] {
     at::Tensor src = in.contiguous();
     at::Tensor flat = at::empty({int64_t(size_) * in.numel()}, in.options());
     coll::allgather(*comm_, src.data_ptr(), flat.data_ptr(), nbytes(in));
@@ -284,7 +294,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::_allgather_base(at::Tensor& outpu
   TORCH_CHECK(output.numel() == input.numel() * size_, "mk all_gather_into_tensor: rank ", rank_, ": output has ",
               output.numel(), " elements, expected world_size * input = ", input.numel() * size_);
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, "mk:_allgather_base", {out}, nbytes(out), [this, in, out] {
+  return enqueue(opts.timeout, c10d::OpType::_ALLGATHER_BASE, "mk:_allgather_base", {out}, nbytes(out), [this, in, out] {
     at::Tensor src = in.contiguous();
     Staged s(out);
     coll::allgather(*comm_, src.data_ptr(), s.ptr(), nbytes(in));
@@ -311,7 +321,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::allgather_coalesced(std::vector<s
   }
   auto ins = inputs;
   auto outs = outputs;
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "mk:allgather_coalesced", all_outs, bytes, [this, ins, outs] {
+  return enqueue(opts.timeout, c10d::OpType::ALLGATHER_COALESCED, "mk:allgather_coalesced", all_outs, bytes, [this, ins, outs] {
     for (size_t j = 0; j < ins.size(); ++j) {
       at::Tensor src = ins[j].contiguous();
       at::Tensor flat = at::empty({int64_t(size_) * src.numel()}, src.options());
@@ -337,7 +347,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::allgather_into_tensor_coalesced(s
   }
   auto ins = inputs;
   auto outs = outputs;
-  return enqueue(c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED, "mk:allgather_into_tensor_coalesced", outs, bytes,
+  return enqueue(opts.timeout, c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED, "mk:allgather_into_tensor_coalesced", outs, bytes,
                  [this, ins, outs] {
                    for (size_t j = 0; j < ins.size(); ++j) {
                      at::Tensor src = ins[j].contiguous();
@@ -364,7 +374,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::gather(std::vector<std::vector<at
     TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "mk gather: rank ", rank_,
                 ": only the root (", root, ") passes output tensors");
   }
-  return enqueue(c10d::OpType::GATHER, "mk:gather", outs, nbytes(in) * size_t(size_), [this, in, outs, root] {
+  return enqueue(opts.timeout, c10d::OpType::GATHER, "mk:gather", outs, nbytes(in) * size_t(size_), [this, in, outs, root] {
     at::Tensor src = in.contiguous();
     at::Tensor flat = rank_ == root ? at::empty({int64_t(size_) * in.numel()}, in.options()) : at::Tensor();
     coll::gather(*comm_, src.data_ptr(), rank_ == root ? flat.data_ptr() : nullptr, nbytes(in), root);
@@ -389,7 +399,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::scatter(std::vector<at::Tensor>& 
     TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "mk scatter: rank ", rank_,
                 ": only the root (", root, ") passes input tensors");
   }
-  return enqueue(c10d::OpType::SCATTER, "mk:scatter", {out}, nbytes(out) * size_t(size_), [this, ins, out, root] {
+  return enqueue(opts.timeout, c10d::OpType::SCATTER, "mk:scatter", {out}, nbytes(out) * size_t(size_), [this, ins, out, root] {
     at::Tensor flat;
     if (rank_ == root) {
       std::vector<at::Tensor> flats;
@@ -412,7 +422,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::reduce_scatter(std::vector<at::Te
   std::vector<at::Tensor> ins = inputs[0];
   for (size_t i = 0; i < ins.size(); ++i) check_like(ins[i], out, "reduce_scatter", rank_, "input tensor", i);
   const RedOp op = to_redop(opts.reduceOp, "reduce_scatter", rank_);
-  return enqueue(c10d::OpType::REDUCE_SCATTER, "mk:reduce_scatter", {out}, nbytes(out) * size_t(size_),
+  return enqueue(opts.timeout, c10d::OpType::REDUCE_SCATTER, "mk:reduce_scatter", {out}, nbytes(out) * size_t(size_),
                  [this, ins, out, op] {
                    std::vector<at::Tensor> flats;
                    for (auto& t : ins) flats.push_back(t.reshape({-1}));
@@ -434,7 +444,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::_reduce_scatter_base(at::Tensor& 
               input.numel(), " elements, expected world_size * output = ", output.numel() * size_);
   const RedOp op = to_redop(opts.reduceOp, "reduce_scatter_tensor", rank_);
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "mk:_reduce_scatter_base", {out}, nbytes(in), [this, in, out, op] {
+  return enqueue(opts.timeout, c10d::OpType::_REDUCE_SCATTER_BASE, "mk:_reduce_scatter_base", {out}, nbytes(in), [this, in, out, op] {
     at::Tensor src = in.contiguous();
     Staged s(out);
     coll::reduce_scatter(*comm_, src.data_ptr(), s.ptr(), size_t(out.numel()), to_dtype(out, "reduce_scatter", rank_), op);
@@ -458,7 +468,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::reduce_scatter_tensor_coalesced(s
   const RedOp op = to_redop(opts.reduceOp, "reduce_scatter_tensor_coalesced", rank_);
   auto ins = inputs;
   auto outs = outputs;
-  return enqueue(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "mk:reduce_scatter_tensor_coalesced", outs, bytes,
+  return enqueue(opts.timeout, c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "mk:reduce_scatter_tensor_coalesced", outs, bytes,
                  [this, ins, outs, op] {
                    for (size_t j = 0; j < ins.size(); ++j) {
                      at::Tensor src = ins[j].contiguous();
@@ -505,7 +515,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::alltoall_base(at::Tensor& output,
   auto [sb, so] = splits(input, input_splits, "input");
   auto [rb, ro] = splits(output, output_splits, "output");
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::ALLTOALL_BASE, "mk:all_to_all", {out}, nbytes(in),
+  return enqueue(opts.timeout, c10d::OpType::ALLTOALL_BASE, "mk:all_to_all", {out}, nbytes(in),
                  [this, in, out, sb = sb, so = so, rb = rb, ro = ro] {
                    at::Tensor src = in.contiguous();
                    Staged s(out);
@@ -534,7 +544,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::alltoall(std::vector<at::Tensor>&
   }
   auto ins = inputs;
   auto outs = outputs;
-  return enqueue(c10d::OpType::ALLTOALL, "mk:all_to_all", outs, s_total, [this, ins, outs, sb, so, rb, ro, r_total] {
+  return enqueue(opts.timeout, c10d::OpType::ALLTOALL, "mk:all_to_all", outs, s_total, [this, ins, outs, sb, so, rb, ro, r_total] {
     std::vector<at::Tensor> flats;
     for (auto& t : ins) flats.push_back(t.contiguous().view(at::kByte).reshape({-1}));
     at::Tensor src = at::cat(flats);
@@ -546,7 +556,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::alltoall(std::vector<at::Tensor>&
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMK::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(c10d::OpType::BARRIER, "mk:barrier", {}, 0, [this] { coll::barrier(*comm_); });
+  return enqueue(opts.timeout, c10d::OpType::BARRIER, "mk:barrier", {}, 0, [this] { coll::barrier(*comm_); });
 }
 
 // ---- point to point ----

@@ -72,9 +72,10 @@ class ProcessGroupMK : public c10d::Backend {
 
  private:
   using Task = std::function<void()>;
-  // Run `fn` in order with the other collectives; `bytes` decides whether it may run inline.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
-                                         size_t bytes, Task fn);
+  // Run `fn` in order with the other collectives, under its own timeout when one is given (> 0);
+  // `bytes` decides whether it may run inline.
+  c10::intrusive_ptr<c10d::Work> enqueue(std::chrono::milliseconds timeout, c10d::OpType type, const char* title,
+                                         std::vector<at::Tensor> outputs, size_t bytes, Task fn);
   c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, const char* title, at::Tensor& tensor, int peer, int tag,
                                      bool sending);
   void run(const c10::intrusive_ptr<WorkMK>& work, const Task& fn, const char* title);

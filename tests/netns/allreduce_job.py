@@ -33,10 +33,12 @@ def main() -> int:
     hosts: list[str | None] = [None] * n
     dist.all_gather_object(hosts, socket.gethostname())
     ok = bool((small == expected).all() and (large == expected).all())
-    print(json.dumps({"rank": rank, "world_size": n, "local_rank": int(os.environ["LOCAL_RANK"]),
-                      "hostname": socket.gethostname(), "hosts": hosts, "small": small.tolist(),
-                      "large_min": large.min().item(), "large_max": large.max().item(),
-                      "expected": expected, "ok": ok}), flush=True)
+    # one write() per line: the ranks of a host share torchrun's stdout, and print() writes the newline apart
+    sys.stdout.write(json.dumps({"rank": rank, "world_size": n, "local_rank": int(os.environ["LOCAL_RANK"]),
+                                 "hostname": socket.gethostname(), "hosts": hosts, "small": small.tolist(),
+                                 "large_min": large.min().item(), "large_max": large.max().item(),
+                                 "expected": expected, "ok": ok}) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -356,8 +356,10 @@ def main() -> None:
     transports = backend.transports()
     run(large)
     dist.barrier()
-    print("REPORT " + json.dumps({"rank": rank, "transports": transports, "failures": failures,
-                                  "timings": {k: round(v, 2) for k, v in timings.items()}}), flush=True)
+    # one write() per line: ranks of one torchrun share its stdout (print() writes the newline separately)
+    sys.stdout.write("REPORT " + json.dumps({"rank": rank, "transports": transports, "failures": failures,
+                                             "timings": {k: round(v, 2) for k, v in timings.items()}}) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -31,7 +31,8 @@ def attempt(name: str, fn) -> None:
 
 
 def report() -> None:
-    print("REPORT " + json.dumps({"rank": rank, "events": events, "pid": os.getpid()}), flush=True)
+    sys.stdout.write("REPORT " + json.dumps({"rank": rank, "events": events, "pid": os.getpid()}) + "\n")
+    sys.stdout.flush()
 
 
 if scenario == "mismatch":
