@@ -53,7 +53,6 @@ class Comm {
 
   // Collective sequence number (same on every rank as long as they call the same collectives).
   uint64_t next_seq() { return seq_++; }
-  uint64_t seq() const { return seq_; }
 
   // Fail everything in flight and refuse new operations; peers notice (connections drop, shm flag).
   void abort(const std::string& why);

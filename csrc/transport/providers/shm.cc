@@ -225,8 +225,6 @@ std::atomic<uint64_t>* ShmProvider::slot_desc(int r, int s) const {
   return (r == me_ ? own_.get() : peers_[r].get())->control()->desc[s];
 }
 
-uint64_t ShmProvider::step() const { return own_->control()->step.load(std::memory_order_relaxed); }
-
 uint64_t ShmProvider::publish() {
   Control* c = own_->control();
   const uint64_t v = c->step.load(std::memory_order_relaxed) + 1;

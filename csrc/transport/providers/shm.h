@@ -51,14 +51,12 @@ class ShmProvider final : public Provider {
   int local_size() const { return int(locals_.size()); }
   int global_rank(int local) const { return locals_[local]; }
   size_t chunk_bytes() const { return opt_.chunk; }
-  int slot_count() const { return opt_.slots; }
   // Staging slot `s` of local rank `r` (r == local_rank() for our own).
   char* slot(int r, int s) const;
   // Descriptor words of slot s of rank r: [0] is the operation hash, the rest free for the algorithm.
   std::atomic<uint64_t>* slot_desc(int r, int s) const;
   // Advance our step counter by one and wake sleepers. Returns the new value.
   uint64_t publish();
-  uint64_t step() const;
   // Wait until every local rank in `who` (all when empty) has step >= target.
   void wait_steps(uint64_t target, const Deadline& deadline, const char* op, const std::vector<int>& who = {});
   // Next slot index in the ring of slots, and the step every peer must reach before we may overwrite it.
