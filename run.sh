@@ -49,8 +49,18 @@ ensure_venv() {
 build() {
   export CCACHE_DIR="${CCACHE_DIR:-$cache/ccache}"
   export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-  log "building superkernel (incremental; build/ in the checkout, ccache in $CCACHE_DIR)"
-  (cd "$here" && pip install -q --no-build-isolation --no-deps .)
+  export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$here}"
+  if [ -n "${SUPERKERNEL_SITE:-}" ]; then
+    # Development checkouts (git worktrees) install into their own directory so they never overwrite the
+    # venv's copy; PYTHONPATH puts it first for this process and every rank it starts.
+    log "building superkernel into $SUPERKERNEL_SITE (build/site in the checkout, ccache in $CCACHE_DIR)"
+    (cd "$here" && pip install -q --no-build-isolation --no-deps --upgrade --target "$SUPERKERNEL_SITE" \
+        -C build-dir=build/site .)
+    export PYTHONPATH="$SUPERKERNEL_SITE${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    log "building superkernel (incremental; build/ in the checkout, ccache in $CCACHE_DIR)"
+    (cd "$here" && pip install -q --no-build-isolation --no-deps .)
+  fi
   python -c "import superkernel" || { log "superkernel failed to import after the build"; exit 1; }
 }
 
@@ -104,6 +114,7 @@ case "$cmd" in
     exec python -m pytest "${@:-tests/transport}"
     ;;
   env)
+    [ -n "${SUPERKERNEL_SITE:-}" ] && export PYTHONPATH="$SUPERKERNEL_SITE${PYTHONPATH:+:$PYTHONPATH}"
     exec "$@"
     ;;
   *)
