@@ -113,10 +113,13 @@ case "$cmd" in
     cd "$here"
     exec python -m pytest "${@:-tests/transport}"
     ;;
+  build)
+    build
+    ;;
   env)
     [ -n "${SUPERKERNEL_SITE:-}" ] && export PYTHONPATH="$SUPERKERNEL_SITE${PYTHONPATH:+:$PYTHONPATH}"
     exec "$@"
     ;;
   *)
-    echo "usage: bash run.sh example | test [pytest args] | sanitize [pytest args] | env CMD..." >&2; exit 2 ;;
+    echo "usage: bash run.sh example | test [pytest args] | sanitize [pytest args] | build | env CMD..." >&2; exit 2 ;;
 esac
