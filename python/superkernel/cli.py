@@ -6,12 +6,15 @@ import sys
 from typing import Callable
 
 from superkernel import install
+from superkernel.probe import command as probe_command
 
 Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "install": ("install the Jupyter kernelspecs", install.add_arguments, install.run),
 }
+SUBCOMMANDS["probe"] = ("measure latency/bandwidth between ranks and detect RDMA/CXL/GPU links",
+                        probe_command.add_arguments, probe_command.run)
 
 
 def main(argv: list[str] | None = None) -> int:
