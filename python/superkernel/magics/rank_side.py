@@ -11,3 +11,8 @@ def register(shell: Any) -> None:
 
     for cls in (InfoMagics, BarrierMagics, PipMagics):
         shell.register_magics(cls(shell))
+    from superkernel.magics.memory import MemoryMagics
+    from superkernel.magics.probe import ProbeMagics
+
+    for cls in (MemoryMagics, ProbeMagics):
+        shell.register_magics(cls(shell))

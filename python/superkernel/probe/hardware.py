@@ -16,7 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SYS = Path(os.environ.get("SUPERKERNEL_SYSFS", "/sys"))  # tests may point this at a fake tree
+
+
+def sysfs() -> Path:
+    """Where /sys is (SUPERKERNEL_SYSFS points the detection at another tree, e.g. a test's fake one)."""
+    return Path(os.environ.get("SUPERKERNEL_SYSFS", "/sys"))
+
 NVIDIA_SMI_TIMEOUT = 10.0
 
 
@@ -103,7 +108,7 @@ def _meminfo_total(text: str) -> int:
 
 
 def numa_nodes() -> list[NumaNode]:
-    base = SYS / "devices/system/node"
+    base = sysfs() / "devices/system/node"
     nodes = []
     for d in sorted(base.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
         nodes.append(NumaNode(int(d.name[4:]), _read(d / "cpulist"), _meminfo_total(_read(d / "meminfo"))))
@@ -139,7 +144,7 @@ def gpus() -> tuple[list[Gpu], str, str]:
 
 
 def rdma_devices() -> tuple[list[RdmaDevice], str]:
-    base = SYS / "class/infiniband"
+    base = sysfs() / "class/infiniband"
     if not base.is_dir():
         return [], f"no {base}"
     devices = []
@@ -177,7 +182,7 @@ def ibverbs_device_names() -> list[str] | None:
 
 
 def cxl_devices() -> tuple[list[str], str]:
-    base = SYS / "bus/cxl/devices"
+    base = sysfs() / "bus/cxl/devices"
     if not base.is_dir():
         return [], f"no {base}"
     return sorted(p.name for p in base.iterdir()), str(base)

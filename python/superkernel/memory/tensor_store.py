@@ -1,0 +1,460 @@
+"""``TensorStore``: a key -> tensor store pooled across the memory of every rank ("RAM as a service").
+
+    store = TensorStore(capacity_per_rank="1GiB")     # collective: every rank of the group contributes
+    store.put("weights/layer0", w)                     # from any rank; lands on the rank with most free space
+    x = store.get("weights/layer0")                     # from any rank
+    store.keys("weights/"), store.exists(k), store.delete(k), store.stats()
+
+Design (everything below is what the code does; the tests check it):
+
+* Memory. Every rank contributes one uint8 :class:`~superkernel.memory.Window` of ``capacity_per_rank`` bytes
+  (the data) and one small int64 Window (its allocator). Tensor bytes move one-sidedly: ``put`` writes with
+  ``Window.put`` into the chosen rank's memory, ``get`` reads with ``Window.get``; the owning rank's Python
+  thread is never involved. An object lives whole on one rank (it is not striped), so the largest object
+  is ``capacity_per_rank``. Nothing is ever evicted: a put that does not fit fails.
+* Allocator. Each rank's allocator window holds a lock word, its used bytes, object count, capacity, and
+  its free extents ``(offset, length)`` sorted by offset (coalesced: no two free extents touch). Any rank
+  allocates or frees in any rank's memory by taking that rank's lock with ``compare_swap`` on the lock
+  word (spinning with back-off, bounded by ``timeout``), reading the header and extents with ``get``,
+  writing the changed parts back with ``put``, ``flush``, then releasing the lock with ``compare_swap``.
+  Allocations are rounded up to ``ALIGN`` (4 KiB) and placed best-fit. Because free extents are coalesced
+  and at least one aligned block long, a rank never has more than ``capacity / (2 * ALIGN) + 1`` of them:
+  the extent table is sized for that worst case and cannot overflow.
+* Placement. A put reads every rank's header (used, capacity; no lock) and tries ranks in order of most
+  free bytes first (ties: the putting rank itself, then lower ranks); a rank whose largest free extent is
+  too small (fragmentation, or a concurrent put got there first) is skipped under its lock. When no rank
+  can hold it: ``TensorStoreFull`` naming the pool's capacity, the largest free extent, and the size.
+* Metadata. The record ``key -> (rank, offset, nbytes, dtype, shape, token)`` lives in torch's c10d Store
+  (the job's TCPStore), under a prefix of its own per TensorStore instance. Records are replaced with
+  ``compare_set`` only (so two concurrent puts of one key cannot both win and leak space: the loser's
+  publish sees the winner's record and frees the winner's extent after replacing it; exactly one extent
+  per key stays allocated). Every record carries a unique token, so a record never reappears (no ABA).
+  A deleted key's record becomes the empty string (a tombstone) rather than disappearing.
+* Index. The c10d Store cannot list keys, so each put of a new key (or one previously deleted) appends
+  ``key + "\\n"`` to an append-only log key with the Store's atomic ``append``. ``keys(prefix)`` reads the
+  log, de-duplicates, and keeps the names whose record (``multi_get``) is not a tombstone. The record is
+  published before the log entry, so every name in the log has a record.
+* Consistency of get. ``get`` reads the record, copies the bytes, then reads the record again: if it
+  changed (a concurrent overwrite or delete could have freed and reused the extent), the copy is retried.
+  A get therefore returns either the old or the new tensor, never a mix.
+
+Limits: a rank that dies while holding an allocator lock leaves that rank's allocator locked (the next
+allocation there times out with a message naming the holder); the pool is one job, and a dead rank ends it.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+ALIGN = 4096
+DEFAULT_CAPACITY = 256 << 20
+# allocator window layout (int64 elements)
+LOCK, USED, OBJECTS, NFREE, CAPACITY = 0, 1, 2, 3, 4
+HEADER = 8
+_MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
+_LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
+_SEQ: dict[str, itertools.count] = {}
+_SEQ_LOCK = threading.Lock()
+
+
+class TensorStoreFull(RuntimeError):
+    """No rank has a free extent large enough for the tensor (nothing is evicted to make room)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    rank: int            # -1 for an empty tensor (no bytes stored)
+    offset: int          # bytes into that rank's data window
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    token: str
+
+    @property
+    def reserved(self) -> int:
+        return _round_up(self.nbytes)
+
+    def encode(self) -> str:
+        return " ".join([str(self.rank), str(self.offset), str(self.nbytes), str(self.dtype).removeprefix("torch."),
+                         ",".join(map(str, self.shape)) or "-", self.token])
+
+    @staticmethod
+    def decode(text: str) -> "Record":
+        rank, offset, nbytes, dtype, shape, token = text.split(" ")
+        dims = () if shape == "-" else tuple(int(s) for s in shape.split(","))
+        return Record(int(rank), int(offset), int(nbytes), getattr(torch, dtype), dims, token)
+
+
+@dataclass(frozen=True)
+class RankUsage:
+    rank: int
+    capacity: int
+    used: int
+    objects: int
+    free_extents: int
+    largest_free: int
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+def _round_up(n: int) -> int:
+    return (max(n, 1) + ALIGN - 1) // ALIGN * ALIGN
+
+
+def parse_bytes(value: int | str) -> int:
+    """``1073741824``, ``"1GiB"``, ``"512 MiB"``, ``"64M"``, ``"1.5G"`` -> bytes (binary units)."""
+    if isinstance(value, int):
+        return value
+    t = value.strip().upper().replace(" ", "").removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult != 1 else t) * mult)
+
+
+def human(n: float) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def live_stores() -> list["TensorStore"]:
+    """The TensorStores of this process that are not freed (what ``%memory`` shows)."""
+    return [s for s in list(_LIVE) if not s.freed]
+
+
+class TensorStore:
+    def __init__(self, group: Any = None, capacity_per_rank: int | str = DEFAULT_CAPACITY, *,
+                 timeout: float = 60.0, name: str | None = None) -> None:
+        """Collective over ``group`` (default: the whole job). Every rank contributes ``capacity_per_rank``
+        bytes (ranks may pass different values). ``timeout`` bounds every wait for another rank's allocator
+        lock and every c10d Store wait."""
+        from superkernel.memory import Window
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout = timeout
+        capacity = parse_bytes(capacity_per_rank)
+        if capacity <= 0:
+            raise ValueError(f"TensorStore: capacity_per_rank must be positive (got {capacity_per_rank!r})")
+        capacity = _round_up(capacity)
+        caps: list[Any] = [None] * self.world_size
+        dist.all_gather_object(caps, capacity, group=group)
+        self.capacities = [int(c) for c in caps]
+        max_extents = max(self.capacities) // (2 * ALIGN) + 1
+        self._data = Window.allocate((capacity,), torch.uint8, group=group)
+        self._meta = Window.allocate((HEADER + 2 * max_extents,), torch.int64, group=group)
+        self._max_extents = max_extents
+        mine = self._meta.tensor
+        mine[:HEADER] = 0
+        mine[CAPACITY] = capacity
+        mine[NFREE] = 1
+        mine[HEADER] = 0
+        mine[HEADER + 1] = capacity
+        # one prefix per instance: the group's name plus how many stores this process made on that group
+        # (construction is collective, so every rank counts the same)
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        gname = getattr(pg, "group_name", "default")
+        with _SEQ_LOCK:
+            seq = next(_SEQ.setdefault(gname, itertools.count()))
+        self.name = name or f"{gname}/{seq}"
+        self._store = dist.PrefixStore(f"superkernel/tensorstore/{self.name}/",
+                                       dist.distributed_c10d._get_default_store())
+        if self.rank == 0:
+            self._store.set("log", "")
+        self._tokens = itertools.count()
+        self._instance = uuid.uuid4().hex[:8]
+        self.freed = False
+        dist.barrier(group=group)
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------------------------------ public
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Store a copy of ``tensor`` under ``key`` (replacing what was there). Any rank may put any key."""
+        self._check_open()
+        _check_key(key)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"TensorStore.put({key!r}): expected a torch.Tensor, got {type(tensor).__name__}")
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()      # the pool is host memory; device tensors travel through a host copy
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        token = f"{self.rank}.{self._instance}.{next(self._tokens)}"
+        if nbytes == 0:
+            rec = Record(-1, 0, 0, t.dtype, tuple(t.shape), token)
+        else:
+            rank, offset = self._allocate(_round_up(nbytes))
+            try:
+                self._data.put(rank, offset, t.reshape(-1).view(torch.uint8))
+                self._data.flush(rank)
+            except BaseException:
+                self._free(rank, offset, _round_up(nbytes), objects=1)
+                raise
+            rec = Record(rank, offset, nbytes, t.dtype, tuple(t.shape), token)
+        old = self._publish(key, rec.encode())
+        if old:
+            o = Record.decode(old)
+            if o.rank >= 0:
+                self._free(o.rank, o.offset, o.reserved, objects=1)
+        else:
+            self._store.append("log", key + "\n")
+
+    def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the tensor stored under ``key`` (into ``out`` when given: same dtype and shape,
+        contiguous, on the CPU). KeyError when the key does not exist."""
+        self._check_open()
+        _check_key(key)
+        text = self._read(key)
+        for _ in range(100):
+            if not text:
+                raise KeyError(key)
+            rec = Record.decode(text)
+            dst = self._output(key, rec, out)
+            if rec.nbytes:
+                self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
+                self._data.flush(rec.rank)
+            again = self._read(key)
+            if again == text:
+                return dst
+            text = again     # overwritten or deleted while we copied: the extent may have been reused
+        raise RuntimeError(f"TensorStore.get({key!r}): the key kept changing while it was read (100 attempts)")
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` and free its space. KeyError when it does not exist."""
+        self._check_open()
+        _check_key(key)
+        old = self._publish(key, "")
+        if not old:
+            raise KeyError(key)
+        o = Record.decode(old)
+        if o.rank >= 0:
+            self._free(o.rank, o.offset, o.reserved, objects=1)
+
+    def exists(self, key: str) -> bool:
+        self._check_open()
+        _check_key(key)
+        return bool(self._read(key))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every stored key starting with ``prefix``, sorted."""
+        self._check_open()
+        log = self._store.get("log").decode()
+        names = sorted({k for k in log.split("\n") if k and k.startswith(prefix)})
+        if not names:
+            return []
+        records = self._store.multi_get(names)
+        return [k for k, r in zip(names, records) if r]
+
+    def stats(self) -> list[RankUsage]:
+        """Per rank: capacity, used bytes, objects, free extents and the largest one (a snapshot, no locks)."""
+        self._check_open()
+        out = []
+        for r in range(self.world_size):
+            hdr = self._header(r)
+            ext = self._extents(r, int(hdr[NFREE]))
+            out.append(RankUsage(r, int(hdr[CAPACITY]), int(hdr[USED]), int(hdr[OBJECTS]), int(hdr[NFREE]),
+                                 max((int(x) for x in ext[1::2]), default=0)))
+        return out
+
+    def free(self) -> None:
+        """Release this rank's memory (collective). Stored tensors are gone afterwards."""
+        if self.freed:
+            return
+        dist.barrier(group=self.group)
+        self.freed = True
+        self._data.free()
+        self._meta.free()
+
+    close = free
+
+    def __enter__(self) -> "TensorStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    def __contains__(self, key: str) -> bool:
+        return self.exists(key)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.get(key)
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self.put(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.delete(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __repr__(self) -> str:
+        total = sum(self.capacities)
+        return (f"TensorStore({self.name!r}, {self.world_size} ranks x {human(self.capacities[0])}"
+                f"{'' if len(set(self.capacities)) == 1 else ' (uneven)'}, {human(total)} in total)")
+
+    # ----------------------------------------------------------------------------------------- records
+    def _read(self, key: str) -> str:
+        """The record of ``key``; "" when it does not exist (never stored, or deleted)."""
+        got = self._store.compare_set("k/" + key, _MISSING, _MISSING).decode()
+        return "" if got == _MISSING else got
+
+    def _publish(self, key: str, value: str) -> str:
+        """Replace the record of ``key`` with ``value`` atomically; returns the record it replaced ("" if none)."""
+        expected = ""
+        for _ in range(10000):
+            got = self._store.compare_set("k/" + key, expected, value).decode()
+            if got == value:
+                return expected
+            if got == _MISSING:   # FileStore/HashStore report a missing key as the expected value
+                expected = ""
+                continue
+            expected = got
+        raise RuntimeError(f"TensorStore: could not update the record of {key!r} (contention)")
+
+    def _output(self, key: str, rec: Record, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return torch.empty(rec.shape, dtype=rec.dtype)
+        if out.dtype != rec.dtype:
+            raise TypeError(f"TensorStore.get({key!r}): out has dtype {out.dtype}, the stored tensor is {rec.dtype}")
+        if tuple(out.shape) != rec.shape:
+            raise ValueError(f"TensorStore.get({key!r}): out has shape {tuple(out.shape)}, the stored tensor "
+                             f"has shape {rec.shape}")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"TensorStore.get({key!r}): out must be a contiguous CPU tensor")
+        return out
+
+    def _check_open(self) -> None:
+        if self.freed:
+            raise RuntimeError(f"TensorStore {self.name!r} was freed")
+
+    # --------------------------------------------------------------------------------------- allocator
+    def _header(self, rank: int) -> torch.Tensor:
+        hdr = torch.empty(HEADER, dtype=torch.int64)
+        self._meta.get(rank, 0, hdr)
+        self._meta.flush(rank)
+        return hdr
+
+    def _extents(self, rank: int, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        ext = torch.empty(2 * n, dtype=torch.int64)
+        self._meta.get(rank, HEADER, ext)
+        self._meta.flush(rank)
+        return ext.tolist()
+
+    def _lock(self, rank: int) -> None:
+        me = self.rank + 1
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0
+        while True:
+            holder = int(self._meta.compare_swap(rank, LOCK, 0, me))
+            if holder == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TensorStore: rank {self.rank} could not take rank {rank}'s allocator lock "
+                                   f"within {self.timeout:g} s (held by rank {holder - 1})")
+            if pause:
+                time.sleep(pause)
+            pause = min(1e-3, pause * 2 if pause else 20e-6)
+
+    def _unlock(self, rank: int) -> None:
+        self._meta.flush(rank)
+        prev = int(self._meta.compare_swap(rank, LOCK, self.rank + 1, 0))
+        if prev != self.rank + 1:
+            raise RuntimeError(f"TensorStore: rank {self.rank} released rank {rank}'s allocator lock but it was "
+                               f"held by {prev - 1 if prev else 'nobody'}")
+
+    def _write_state(self, rank: int, used: int, objects: int, ext: list[int]) -> None:
+        if ext:
+            self._meta.put(rank, HEADER, torch.tensor(ext, dtype=torch.int64))
+        self._meta.put(rank, USED, torch.tensor([used, objects, len(ext) // 2], dtype=torch.int64))
+        self._meta.flush(rank)
+
+    def _allocate(self, need: int) -> tuple[int, int]:
+        """(rank, offset) of ``need`` free bytes, placed by free capacity (see the module docstring)."""
+        heads = {r: self._header(r) for r in range(self.world_size)}
+        free = {r: int(h[CAPACITY]) - int(h[USED]) for r, h in heads.items()}
+        order = sorted(range(self.world_size), key=lambda r: (-free[r], r != self.rank, r))
+        largest = 0
+        for r in order:
+            if free[r] < need:
+                continue
+            self._lock(r)
+            try:
+                hdr = self._header(r)
+                ext = self._extents(r, int(hdr[NFREE]))
+                best = -1
+                for i in range(0, len(ext), 2):
+                    length = ext[i + 1]
+                    largest = max(largest, length)
+                    if length >= need and (best < 0 or length < ext[best + 1]):
+                        best = i
+                if best < 0:
+                    continue
+                offset = ext[best]
+                if ext[best + 1] == need:
+                    del ext[best:best + 2]
+                else:
+                    ext[best] += need
+                    ext[best + 1] -= need
+                self._write_state(r, int(hdr[USED]) + need, int(hdr[OBJECTS]) + 1, ext)
+                return r, offset
+            finally:
+                self._unlock(r)
+        for r in order:
+            if free[r] >= need:
+                continue
+            largest = max(largest, max((int(x) for x in self._extents(r, int(heads[r][NFREE]))[1::2]), default=0))
+        caps = set(self.capacities)
+        pool = (f"{self.world_size} ranks × {human(self.capacities[0])} capacity" if len(caps) == 1
+                else f"{self.world_size} ranks, {human(sum(self.capacities))} capacity in total")
+        raise TensorStoreFull(f"TensorStore full: {pool}, {human(largest)} free at most on one rank, "
+                              f"cannot place {human(need)}")
+
+    def _free(self, rank: int, offset: int, length: int, objects: int) -> None:
+        """Return [offset, offset+length) to ``rank``'s free extents, coalescing with its neighbours."""
+        self._lock(rank)
+        try:
+            hdr = self._header(rank)
+            ext = self._extents(rank, int(hdr[NFREE]))
+            starts = ext[0::2]
+            i = 0
+            while i < len(starts) and starts[i] < offset:
+                i += 1
+            new = [offset, length]
+            # merge with the previous extent
+            if i > 0 and ext[2 * (i - 1)] + ext[2 * (i - 1) + 1] == offset:
+                i -= 1
+                new = [ext[2 * i], ext[2 * i + 1] + length]
+                del ext[2 * i:2 * i + 2]
+            # merge with the next extent
+            if 2 * i < len(ext) and new[0] + new[1] == ext[2 * i]:
+                new[1] += ext[2 * i + 1]
+                del ext[2 * i:2 * i + 2]
+            ext[2 * i:2 * i] = new
+            if len(ext) // 2 > self._max_extents:
+                raise RuntimeError(f"TensorStore: rank {rank}'s free-extent table overflowed (a bug)")
+            self._write_state(rank, int(hdr[USED]) - length, int(hdr[OBJECTS]) - objects, ext)
+        finally:
+            self._unlock(rank)
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not key or "\n" in key:
+        raise ValueError(f"TensorStore: a key is a non-empty string without newlines (got {key!r})")

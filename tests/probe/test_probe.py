@@ -1,0 +1,142 @@
+"""``superkernel probe`` on a local 2-rank pool, the hardware detection against a fake sysfs, and the
+``%probe`` / ``%memory`` magics through a running kernel."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+OSU_ROW = re.compile(r"^(\d+)\s+([\d.]+)(?:\s+([\d.]+))?$")
+
+
+def run_cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180
+            ) -> subprocess.CompletedProcess[str]:
+    e = dict(os.environ)
+    e.pop("SUPERKERNEL_FRONTEND", None)
+    e.pop("JUPYTER_PATH", None)
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        e.pop(k, None)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "superkernel", "probe", *args], cwd=tmp_path, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def osu_blocks(text: str) -> dict[str, list[tuple[int, float]]]:
+    """'# OSU ... Test' blocks -> {title + route: [(size, value)]} (first value column)."""
+    blocks: dict[str, list[tuple[int, float]]] = {}
+    title = None
+    for line in text.splitlines():
+        if line.startswith("# OSU"):
+            title = line[2:]
+        elif title and line.startswith("# ") and "(rank" in line or (title and line == "# all ranks"):
+            title = f"{title} | {line[2:]}"
+            blocks[title] = []
+        elif title in blocks and (m := OSU_ROW.match(line.strip())):
+            blocks[title].append((int(m.group(1)), float(m.group(2))))
+        elif not line.strip():
+            title = None
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def shm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    tmp = tmp_path_factory.mktemp("probe")
+    return run_cli(tmp, "--ranks", "2", "--quick", "--plot", "probe.png", "--json", "probe.json"), tmp
+
+
+def test_cli_two_ranks_prints_measured_tables(shm_run) -> None:
+    out, tmp = shm_run
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    blocks = osu_blocks(text)
+    lat = blocks["OSU MPI Latency Test (osu_latency method) | intra-host shared memory (rank 0 <-> 1)"]
+    bw = blocks["OSU MPI Bandwidth Test (osu_bw method) | intra-host shared memory (rank 0 <-> 1)"]
+    sizes = [s for s, _ in lat]
+    assert sizes[0] == 1 and sizes[-1] == 1 << 20 and sizes == sorted(sizes)
+    assert all(v > 0 for _, v in lat + bw)
+    # physics, not hard-coded numbers: a 1 MiB message moves more bytes per second than a 1-byte one, and
+    # takes longer than it; latency is plausible for a host (between 0.05 us and 50 ms)
+    assert bw[-1][1] > 10 * bw[0][1]
+    assert lat[-1][1] > lat[0][1]
+    assert all(0.05 < v < 50_000 for _, v in lat)
+    ar = next(v for k, v in blocks.items() if k.startswith("OSU MPI Allreduce"))
+    assert ar and all(v > 0 for _, v in ar)
+    # the bandwidth in MB/s matches size / (per-message time) within the same table's own numbers
+    doc = json.loads((tmp / "probe.json").read_text())
+    assert doc["world_size"] == 2 and list(doc["ranks_per_host"].values()) == [[0, 1]]
+    for s in doc["series"]:
+        for size, lat_us, mbps in zip(s["sizes"], s["latency_us"], s["bandwidth_MBps"]):
+            if s["test"] != "allreduce":
+                assert mbps == pytest.approx(size / lat_us, rel=1e-6)
+
+
+def test_cli_verdict_and_hardware(shm_run) -> None:
+    out, tmp = shm_run
+    text = out.stdout
+    verdict = text[text.index("# verdict"):]
+    m = re.search(r"intra-host: shared memory, ([\d.]+) GB/s, ([\d.]+) µs", verdict)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, verdict
+    assert "inter-host: not measured (all ranks on 1 host)" in verdict
+    rdma_here = os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")
+    if rdma_here:
+        assert "RDMA: present" in verdict
+    else:
+        assert "RDMA: not present" in verdict
+        assert re.search(r"RDMA: not present \(no /sys/class/infiniband", text)
+    cxl_here = os.path.isdir("/sys/bus/cxl/devices")
+    assert ("CXL memory: not present" in verdict) != bool(cxl_here and os.listdir("/sys/bus/cxl/devices"))
+    nodes = [d for d in os.listdir("/sys/devices/system/node") if re.fullmatch(r"node\d+", d)]
+    assert f"NUMA: {len(nodes)} node(s)" in text
+    assert f"{os.cpu_count()} CPUs" in text or "CPUs" in text
+    png = (tmp / "probe.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_cli_reports_the_provider_actually_used(tmp_path: Path) -> None:
+    """Forced TCP between two ranks of one host: the tables and the verdict name TCP, not shared memory."""
+    out = run_cli(tmp_path, "--ranks", "2", "--quick", "--max-bytes", "64K", "--no-one-sided", "--plot", "",
+                  "--transport", "tcp")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "intra-host TCP (rank 0 <-> 1)" in out.stdout
+    assert re.search(r"intra-host: TCP, [\d.]+ GB/s, [\d.]+ µs", out.stdout)
+    assert "shared memory" not in out.stdout
+    assert not (tmp_path / "superkernel-probe.png").exists()
+
+
+def test_hardware_detection_on_a_fake_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from superkernel.probe import hardware
+    from superkernel.probe.report import ProbeReport
+    from superkernel.probe.verdict import format_hardware, verdict_line
+
+    sysfs = tmp_path / "sys"
+    port = sysfs / "class/infiniband/mlx5_0/ports/1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "rate").write_text("100 Gb/sec (4X EDR)\n")
+    (port / "link_layer").write_text("InfiniBand\n")
+    (sysfs / "bus/cxl/devices/mem0").mkdir(parents=True)
+    (sysfs / "bus/cxl/devices/root0").mkdir(parents=True)
+    for node, cpus, kb in ((0, "0-7", 16 << 20), (1, "", 64 << 20)):
+        d = sysfs / f"devices/system/node/node{node}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "meminfo").write_text(f"Node {node} MemTotal:       {kb} kB\nNode {node} MemFree: 1 kB\n")
+    monkeypatch.setenv("SUPERKERNEL_SYSFS", str(sysfs))
+    hw = hardware.detect()
+    assert [d.name for d in hw.rdma] == ["mlx5_0"]
+    assert hw.rdma[0].ports[0].state == "4: ACTIVE" and hw.rdma[0].ports[0].link_layer == "InfiniBand"
+    assert hw.cxl == ["mem0", "root0"] and hw.cxl_memory == ["mem0"]
+    assert [(n.node, n.memory_only, n.memory_bytes) for n in hw.numa] == [(0, False, 16 << 30), (1, True, 64 << 30)]
+    report = ProbeReport(2, "mk", "test", "now", [hw], {hw.host: [0, 1]})
+    again = ProbeReport.from_json(json.loads(report.dumps()))
+    text = format_hardware(again)
+    assert "mlx5_0 port 1 4: ACTIVE 100 Gb/sec (4X EDR) InfiniBand" in text
+    assert "node1 cpus - 64 GiB (memory only)" in text
+    line = verdict_line(again)
+    assert "RDMA: present: mlx5_0" in line and "CXL memory: present: mem0" in line
