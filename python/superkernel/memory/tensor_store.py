@@ -16,7 +16,8 @@ Design (everything below is what the code does; the tests check it):
   its free extents ``(offset, length)`` sorted by offset (coalesced: no two free extents touch). Any rank
   allocates or frees in any rank's memory by taking that rank's lock with ``compare_swap`` on the lock
   word (spinning with back-off, bounded by ``timeout``), reading the header and extents with ``get``,
-  writing the changed parts back with ``put``, ``flush``, then releasing the lock with ``compare_swap``.
+  writing the changed parts back with ``put`` (blocking window operations are complete at the target when
+  they return), then releasing the lock with ``compare_swap``.
   Allocations are rounded up to ``ALIGN`` (4 KiB) and placed best-fit. Because free extents are coalesced
   and at least one aligned block long, a rank never has more than ``capacity / (2 * ALIGN) + 1`` of them:
   the extent table is sized for that worst case and cannot overflow.
@@ -24,6 +25,7 @@ Design (everything below is what the code does; the tests check it):
   free bytes first (ties: the putting rank itself, then lower ranks); a rank whose largest free extent is
   too small (fragmentation, or a concurrent put got there first) is skipped under its lock. When no rank
   can hold it: ``TensorStoreFull`` naming the pool's capacity, the largest free extent, and the size.
+  ``put(key, t, rank=r)`` pins the placement to rank r instead; ``locate(key)`` says where a tensor is.
 * Metadata. The record ``key -> (rank, offset, nbytes, dtype, shape, token)`` lives in torch's c10d Store
   (the job's TCPStore), under a prefix of its own per TensorStore instance. Records are replaced with
   ``compare_set`` only (so two concurrent puts of one key cannot both win and leak space: the loser's
@@ -180,8 +182,9 @@ class TensorStore:
         _LIVE.add(self)
 
     # ------------------------------------------------------------------------------------------ public
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Store a copy of ``tensor`` under ``key`` (replacing what was there). Any rank may put any key."""
+    def put(self, key: str, tensor: torch.Tensor, rank: int | None = None) -> None:
+        """Store a copy of ``tensor`` under ``key`` (replacing what was there). Any rank may put any key.
+        ``rank`` pins the placement to that rank's memory (default: the rank with the most free bytes)."""
         self._check_open()
         _check_key(key)
         if not isinstance(tensor, torch.Tensor):
@@ -195,14 +198,15 @@ class TensorStore:
         if nbytes == 0:
             rec = Record(-1, 0, 0, t.dtype, tuple(t.shape), token)
         else:
-            rank, offset = self._allocate(_round_up(nbytes))
+            if rank is not None and not 0 <= rank < self.world_size:
+                raise ValueError(f"TensorStore.put({key!r}): rank {rank} is not in the group (size {self.world_size})")
+            where, offset = self._allocate(_round_up(nbytes), rank)
             try:
-                self._data.put(rank, offset, t.reshape(-1).view(torch.uint8))
-                self._data.flush(rank)
+                self._data.put(where, offset, t.reshape(-1).view(torch.uint8))  # complete at the target
             except BaseException:
-                self._free(rank, offset, _round_up(nbytes), objects=1)
+                self._free(where, offset, _round_up(nbytes), objects=1)
                 raise
-            rec = Record(rank, offset, nbytes, t.dtype, tuple(t.shape), token)
+            rec = Record(where, offset, nbytes, t.dtype, tuple(t.shape), token)
         old = self._publish(key, rec.encode())
         if old:
             o = Record.decode(old)
@@ -224,7 +228,6 @@ class TensorStore:
             dst = self._output(key, rec, out)
             if rec.nbytes:
                 self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
-                self._data.flush(rec.rank)
             again = self._read(key)
             if again == text:
                 return dst
@@ -241,6 +244,16 @@ class TensorStore:
         o = Record.decode(old)
         if o.rank >= 0:
             self._free(o.rank, o.offset, o.reserved, objects=1)
+
+    def locate(self, key: str) -> tuple[int, int]:
+        """(rank, bytes) of the stored tensor: which rank's memory holds it (-1 for an empty tensor)."""
+        self._check_open()
+        _check_key(key)
+        text = self._read(key)
+        if not text:
+            raise KeyError(key)
+        rec = Record.decode(text)
+        return rec.rank, rec.nbytes
 
     def exists(self, key: str) -> bool:
         self._check_open()
@@ -347,7 +360,6 @@ class TensorStore:
     def _header(self, rank: int) -> torch.Tensor:
         hdr = torch.empty(HEADER, dtype=torch.int64)
         self._meta.get(rank, 0, hdr)
-        self._meta.flush(rank)
         return hdr
 
     def _extents(self, rank: int, n: int) -> list[int]:
@@ -355,7 +367,6 @@ class TensorStore:
             return []
         ext = torch.empty(2 * n, dtype=torch.int64)
         self._meta.get(rank, HEADER, ext)
-        self._meta.flush(rank)
         return ext.tolist()
 
     def _lock(self, rank: int) -> None:
@@ -374,7 +385,6 @@ class TensorStore:
             pause = min(1e-3, pause * 2 if pause else 20e-6)
 
     def _unlock(self, rank: int) -> None:
-        self._meta.flush(rank)
         prev = int(self._meta.compare_swap(rank, LOCK, self.rank + 1, 0))
         if prev != self.rank + 1:
             raise RuntimeError(f"TensorStore: rank {self.rank} released rank {rank}'s allocator lock but it was "
@@ -384,13 +394,14 @@ class TensorStore:
         if ext:
             self._meta.put(rank, HEADER, torch.tensor(ext, dtype=torch.int64))
         self._meta.put(rank, USED, torch.tensor([used, objects, len(ext) // 2], dtype=torch.int64))
-        self._meta.flush(rank)
 
-    def _allocate(self, need: int) -> tuple[int, int]:
-        """(rank, offset) of ``need`` free bytes, placed by free capacity (see the module docstring)."""
-        heads = {r: self._header(r) for r in range(self.world_size)}
+    def _allocate(self, need: int, only: int | None = None) -> tuple[int, int]:
+        """(rank, offset) of ``need`` free bytes, placed by free capacity (see the module docstring), or on
+        rank ``only`` when given."""
+        candidates = range(self.world_size) if only is None else [only]
+        heads = {r: self._header(r) for r in candidates}
         free = {r: int(h[CAPACITY]) - int(h[USED]) for r, h in heads.items()}
-        order = sorted(range(self.world_size), key=lambda r: (-free[r], r != self.rank, r))
+        order = sorted(candidates, key=lambda r: (-free[r], r != self.rank, r))
         largest = 0
         for r in order:
             if free[r] < need:
@@ -424,6 +435,8 @@ class TensorStore:
         caps = set(self.capacities)
         pool = (f"{self.world_size} ranks × {human(self.capacities[0])} capacity" if len(caps) == 1
                 else f"{self.world_size} ranks, {human(sum(self.capacities))} capacity in total")
+        if only is not None:
+            pool = f"rank {only} of {pool}"
         raise TensorStoreFull(f"TensorStore full: {pool}, {human(largest)} free at most on one rank, "
                               f"cannot place {human(need)}")
 

@@ -1,0 +1,318 @@
+"""Runs inside every rank of a world (tests/transport/world.py): the TensorStore cases, each on a store of its
+own. Every value is regenerated from a seed on the checking rank (the reference never travels through the
+store). Prints one REPORT line: per case, the list of failures (empty when it passed), and timings."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import traceback
+import zlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+import superkernel  # noqa: F401  (registers "mk")
+from superkernel.memory import TensorStore
+from superkernel.memory.tensor_store import TensorStoreFull
+
+ALIGN = 4096
+KiB, MiB = 1 << 10, 1 << 20
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+
+rank = world = 0
+failures: dict[str, list[str]] = defaultdict(list)
+timings: dict[str, float] = {}
+
+
+def check(case: str, ok: bool, what: str) -> None:
+    if not ok:
+        failures[case].append(f"rank {rank}: {what}")
+
+
+def gen(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{key}/{shape}/{dtype}".encode()))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000) + 1, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe), dtype and shape included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True
+
+
+def reserved(nbytes: int) -> int:
+    return math.ceil(max(nbytes, 1) / ALIGN) * ALIGN if nbytes else 0
+
+
+def case_cross_rank(store: TensorStore) -> None:
+    """Every rank puts, every rank reads every rank's tensor; placement goes by free capacity."""
+    c = "cross_rank"
+    store.put(f"x/{rank}", gen(f"x/{rank}", (100 + rank, 33)))
+    dist.barrier()
+    for r in range(world):
+        got = store.get(f"x/{r}")
+        check(c, same(got, gen(f"x/{r}", (100 + r, 33))), f"x/{r} differs")
+    # placement: with equal capacity, the one rank that got a large tensor is the least free one, so the
+    # next put from it must land elsewhere (the rank with most free bytes)
+    dist.barrier()
+    if rank == 0:
+        store.put("big", torch.zeros(256 * KiB, dtype=torch.uint8), rank=0)
+        store.put("next", torch.ones(10))
+        where, nbytes = store.locate("next")
+        check(c, where != 0 and nbytes == 40, f"'next' placed on rank {where} ({nbytes} B), expected another rank")
+        free = {u.rank: u.free for u in store.stats()}
+        check(c, free[0] == min(free.values()), f"free bytes per rank {free}")
+    dist.barrier()
+    check(c, store.exists("next") and store.locate("big") == (0, 256 * KiB), "exists/locate from another rank")
+
+
+def case_concurrent(store: TensorStore) -> None:
+    """All ranks put at once: private keys, and shared keys that every rank overwrites with its own value
+    (different sizes per rank). Gets during the storm return a whole value of one rank, never a mix; after
+    it, exactly one extent per live key is allocated."""
+    c = "concurrent"
+    n_private, n_shared, rounds = 40, 6, 4
+    dist.barrier()
+    for i in range(n_private):
+        key = f"c/p/{rank}/{i}"
+        store.put(key, gen(key, (1 + (i * 37) % 900,)))
+    for rnd in range(rounds):
+        for j in range(n_shared):
+            store.put(f"c/s/{j}", torch.full((500 + 300 * rank + j,), float(rank)))
+            try:
+                v = store.get(f"c/s/{(j + 1) % n_shared}")
+            except KeyError:
+                continue
+            owner = int(v[0].item())
+            check(c, 0 <= owner < world and v.numel() == 500 + 300 * owner + (j + 1) % n_shared
+                  and bool((v == owner).all()), f"torn read of c/s/{(j + 1) % n_shared}: {v.numel()} elements")
+    dist.barrier()
+    keys = store.keys("c/")
+    want = sorted([f"c/p/{r}/{i}" for r in range(world) for i in range(n_private)]
+                  + [f"c/s/{j}" for j in range(n_shared)])
+    check(c, keys == want, f"keys('c/') has {len(keys)} names, expected {len(want)}; "
+                           f"missing {sorted(set(want) - set(keys))[:5]}, extra {sorted(set(keys) - set(want))[:5]}")
+    used = 0
+    for r in range(world):
+        for i in range(n_private):
+            key = f"c/p/{r}/{i}"
+            ref = gen(key, (1 + (i * 37) % 900,))
+            check(c, same(store.get(key), ref), f"{key} differs")
+            used += reserved(ref.numel() * 4)
+    for j in range(n_shared):
+        v = store.get(f"c/s/{j}")
+        owner = int(v[0].item())
+        check(c, v.numel() == 500 + 300 * owner + j and bool((v == owner).all()), f"c/s/{j} is not a whole value")
+        used += reserved(v.numel() * 4)
+    st = store.stats()
+    check(c, sum(u.used for u in st) == used, f"used {sum(u.used for u in st)} B, live keys reserve {used} B "
+                                              "(leaked or double-freed space)")
+    check(c, sum(u.objects for u in st) == len(want), f"objects {sum(u.objects for u in st)} != {len(want)}")
+
+
+def case_keys_delete_reuse(store: TensorStore) -> None:
+    c = "keys_delete_reuse"
+    if rank == 0:
+        for name in ("a/1", "a/2", "a/sub/3", "ab/4", "b/5"):
+            store.put(name, torch.arange(10))
+    dist.barrier()
+    check(c, store.keys("a/") == ["a/1", "a/2", "a/sub/3"], f"keys('a/') = {store.keys('a/')}")
+    check(c, store.keys("a") == ["a/1", "a/2", "a/sub/3", "ab/4"], f"keys('a') = {store.keys('a')}")
+    check(c, len(store.keys()) == 5, f"keys() = {store.keys()}")
+    dist.barrier()
+    if rank == world - 1:
+        store.delete("a/2")
+        check(c, not store.exists("a/2"), "a/2 exists after delete")
+        try:
+            store.get("a/2")
+            check(c, False, "get of a deleted key did not raise KeyError")
+        except KeyError:
+            pass
+        store.put("a/2", torch.arange(3))   # re-put after delete: listed once
+    dist.barrier()
+    check(c, store.keys("a/") == ["a/1", "a/2", "a/sub/3"], f"after delete+put keys('a/') = {store.keys('a/')}")
+    check(c, same(store.get("a/2"), torch.arange(3)), "a/2 after re-put differs")
+    dist.barrier()
+    # fill one rank's memory completely, free it all, fill again: deleted space is reused and coalesced
+    cap = store.capacities[0]
+    if rank == 0:
+        target = world - 1
+        base = store.stats()[target].used
+        chunk = 64 * KiB
+        names = []
+        try:
+            while True:
+                names.append(f"fill/{len(names)}")
+                store.put(names[-1], torch.full((chunk,), len(names) % 251, dtype=torch.uint8), rank=target)
+        except TensorStoreFull as e:
+            names.pop()
+            check(c, f"rank {target} of" in str(e), f"pinned-full message: {e}")
+        check(c, len(names) == (cap - base) // chunk, f"{len(names)} chunks fitted, expected {(cap - base) // chunk}")
+        for name in names[::2]:      # free every other chunk: fragmented, nothing contiguous > chunk
+            store.delete(name)
+        u = store.stats()[target]
+        check(c, u.largest_free == chunk, f"largest free extent {u.largest_free} after freeing every other chunk")
+        for name in names[1::2]:
+            store.delete(name)
+        u = store.stats()[target]
+        check(c, u.used == base and u.free_extents == (1 if base == 0 else u.free_extents),
+              f"after deleting all: used {u.used} (base {base}), {u.free_extents} free extents")
+        if base == 0:
+            check(c, u.largest_free == cap, f"coalescing: largest free {u.largest_free} != capacity {cap}")
+        store.put("whole", torch.zeros(cap - base - ALIGN, dtype=torch.uint8), rank=target)  # needs coalesced space
+        check(c, store.locate("whole")[0] == target, "the large re-put did not land on the emptied rank")
+        store.delete("whole")
+    dist.barrier()
+
+
+def case_full(store: TensorStore) -> None:
+    """A full pool refuses with a clear message and evicts nothing."""
+    c = "full"
+    cap = store.capacities[0]
+    key = f"f/{rank}"
+    store.put(key, gen(key, (cap // 4 * 3 // 4,)))   # 3/4 of a rank, float32
+    dist.barrier()
+    if rank == 0:
+        try:
+            store.put("too-big", torch.zeros(cap // 2, dtype=torch.uint8))
+            check(c, False, "a put larger than any free extent succeeded")
+        except TensorStoreFull as e:
+            msg = str(e)
+            mib = cap / MiB
+            want = f"TensorStore full: {world} ranks × {mib:.0f} MiB capacity"
+            check(c, msg.startswith(want) and "free at most on one rank" in msg and
+                  f"cannot place {cap // 2 / MiB:.0f} MiB" in msg, f"message: {msg!r} (expected to start {want!r})")
+        try:
+            store.put("huge", torch.zeros(cap + 1, dtype=torch.uint8))
+            check(c, False, "a put larger than a rank's capacity succeeded")
+        except TensorStoreFull:
+            pass
+    dist.barrier()
+    for r in range(world):
+        k = f"f/{r}"
+        check(c, same(store.get(k), gen(k, (cap // 4 * 3 // 4,))), f"{k} changed after a refused put (evicted?)")
+    check(c, not store.exists("too-big") and not store.exists("huge"), "a refused key exists")
+    check(c, sum(u.objects for u in store.stats()) == world, "object count changed by refused puts")
+
+
+def case_large(store: TensorStore, nbytes: int) -> None:
+    c = "large"
+    src = world - 1
+    key = "large"
+    shape = (nbytes // 4 // 1024, 1024)
+    if rank == src:
+        store.put(key, gen(key, shape), rank=0 if world > 1 else None)
+    dist.barrier()
+    if rank != src or world == 1:
+        out = torch.empty(shape)
+        t0 = time.perf_counter()
+        store.get(key, out=out)
+        timings["large_get_s"] = time.perf_counter() - t0
+        check(c, same(out, gen(key, shape)), f"{nbytes} B tensor differs")
+    dist.barrier()
+
+
+def case_dtypes(store: TensorStore) -> None:
+    c = "dtypes"
+    shapes = [(), (0,), (3, 0, 2), (7,), (5, 3, 2)]
+    if rank == 0:
+        for dt in DTYPES:
+            for i, shape in enumerate(shapes):
+                store.put(f"d/{dt}/{i}", gen(f"d/{dt}", shape, dt))
+        t = gen("nc", (64, 48)).t()               # non-contiguous input
+        store.put("d/noncontig", t)
+        nan = torch.tensor([float("nan"), -0.0, float("inf")])
+        store.put("d/special", nan)
+    dist.barrier()
+    if rank == world - 1:
+        for dt in DTYPES:
+            for i, shape in enumerate(shapes):
+                got = store.get(f"d/{dt}/{i}")
+                check(c, same(got, gen(f"d/{dt}", shape, dt)), f"{dt} shape {shape} differs "
+                                                                 f"(got {got.dtype} {tuple(got.shape)})")
+        check(c, same(store.get("d/noncontig"), gen("nc", (64, 48)).t().contiguous()), "non-contiguous input")
+        check(c, same(store.get("d/special"), torch.tensor([float("nan"), -0.0, float("inf")])), "nan/-0/inf")
+        out = torch.empty(5, 3, 2, dtype=torch.bfloat16)
+        r = store.get(f"d/{torch.bfloat16}/4", out=out)
+        check(c, r is out and same(out, gen(f"d/{torch.bfloat16}", (5, 3, 2), torch.bfloat16)), "get(out=)")
+    dist.barrier()
+
+
+def case_errors(store: TensorStore) -> None:
+    c = "errors"
+    store.put(f"e/{rank}", torch.zeros(4, 5))
+
+    def expect(exc: type, fn, what: str, needle: str = "") -> None:  # noqa: ANN001
+        try:
+            fn()
+            check(c, False, f"{what}: no {exc.__name__}")
+        except exc as e:
+            check(c, needle in str(e), f"{what}: message {e!r} lacks {needle!r}")
+        except Exception as e:  # noqa: BLE001
+            check(c, False, f"{what}: {type(e).__name__} instead of {exc.__name__}: {e}")
+
+    expect(KeyError, lambda: store.get("e/missing"), "get missing")
+    expect(KeyError, lambda: store.delete("e/missing"), "delete missing")
+    expect(KeyError, lambda: store.locate("e/missing"), "locate missing")
+    expect(TypeError, lambda: store.get(f"e/{rank}", out=torch.zeros(4, 5, dtype=torch.float64)), "out dtype",
+           "torch.float64")
+    expect(ValueError, lambda: store.get(f"e/{rank}", out=torch.zeros(5, 4)), "out shape", "(5, 4)")
+    expect(ValueError, lambda: store.get(f"e/{rank}", out=torch.zeros(5, 4).t()), "out non-contiguous")
+    expect(ValueError, lambda: store.put("", torch.zeros(1)), "empty key")
+    expect(ValueError, lambda: store.put("a\nb", torch.zeros(1)), "newline key")
+    expect(TypeError, lambda: store.put("e/x", [1, 2]), "not a tensor")
+    expect(ValueError, lambda: store.put("e/x", torch.zeros(1), rank=world), "rank out of range")
+    check(c, store.exists(f"e/{rank}") and not store.exists("e/x"), "state after errors")
+    dist.barrier()
+
+
+def run(name: str, fn, *args) -> None:  # noqa: ANN001
+    t0 = time.perf_counter()
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        failures[name].append(f"rank {rank}: {traceback.format_exc()[-1500:]}")
+    timings[name] = time.perf_counter() - t0
+
+
+def main() -> None:
+    global rank, world
+    large = int(sys.argv[1]) if len(sys.argv) > 1 else 64 * MiB
+    dist.init_process_group("mk")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from superkernel.backend import transports
+
+    cases = [
+        ("cross_rank", case_cross_rank, 4 * MiB, ()),
+        ("concurrent", case_concurrent, 4 * MiB, ()),
+        ("keys_delete_reuse", case_keys_delete_reuse, 1 * MiB, ()),
+        ("full", case_full, 1 * MiB, ()),
+        ("large", case_large, large + 8 * MiB, (large,)),
+        ("dtypes", case_dtypes, 2 * MiB, ()),
+        ("errors", case_errors, 1 * MiB, ()),
+    ]
+    for name, fn, cap, extra in cases:
+        store = TensorStore(capacity_per_rank=cap, timeout=60)
+        run(name, fn, store, *extra)
+        store.free()
+    rep = {"rank": rank, "world": world, "transports": transports(), "failures": dict(failures),
+           "cases": [c[0] for c in cases], "timings": timings}
+    sys.stdout.write("REPORT " + json.dumps(rep) + "\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""TensorStore across ranks over shared memory and TCP: put/get across ranks, concurrent puts from every
+rank, keys(prefix), delete and reuse of space, a full pool's error (nothing evicted), large tensors, every
+dtype, and the error cases. Each world runs every case once (store_suite.py); each test asserts one case."""
+from __future__ import annotations
+
+import pytest
+
+from tests.transport.world import HERE as TRANSPORT_DIR, run_world
+
+SUITE = str((TRANSPORT_DIR.parent / "memory" / "store_suite.py").resolve())
+WORLDS = [(2, "shm", 64 << 20), (3, "tcp", 16 << 20), (3, "shm", 16 << 20)]
+CASES = ["cross_rank", "concurrent", "keys_delete_reuse", "full", "large", "dtypes", "errors"]
+_cache: dict[tuple[int, str], list] = {}
+
+
+def reports(world: int, transport: str, large: int) -> list[dict]:
+    if (world, transport) not in _cache:
+        _cache[(world, transport)] = run_world(world, SUITE, [str(large)], timeout=240,
+                                               env={"SUPERKERNEL_TRANSPORT": transport})
+    return [r.report() for r in _cache[(world, transport)]]
+
+
+@pytest.mark.parametrize("world,transport,large", WORLDS, ids=[f"{w}ranks-{t}" for w, t, _ in WORLDS])
+@pytest.mark.parametrize("case", CASES)
+def test_store(world: int, transport: str, large: int, case: str) -> None:
+    reps = reports(world, transport, large)
+    assert len(reps) == world
+    for rep in reps:
+        peers = [t for i, t in enumerate(rep["transports"]) if i != rep["rank"]]
+        assert all(t == transport for t in peers), rep["transports"]
+        assert case in rep["cases"]
+        assert not rep["failures"].get(case), "\n".join(rep["failures"][case])
