@@ -12,3 +12,5 @@ __all__ = ["CancelledError", "PeerError", "Window", "WindowFuture"]
 # TensorStore (superkernel/memory/tensor_store.py) is re-exported here by its own module's author:
 #   from superkernel.memory.tensor_store import TensorStore
 #   __all__.append("TensorStore")
+from superkernel.memory.tensor_store import TensorStore, TensorStoreFull  # noqa: E402
+__all__ += ["TensorStore", "TensorStoreFull"]

@@ -267,7 +267,7 @@ class TensorStore:
         names = sorted({k for k in log.split("\n") if k and k.startswith(prefix)})
         if not names:
             return []
-        records = self._store.multi_get(names)
+        records = self._store.multi_get(["k/" + k for k in names])
         return [k for k, r in zip(names, records) if r]
 
     def stats(self) -> list[RankUsage]:
