@@ -38,7 +38,12 @@ Design (everything below is what the code does; the tests check it):
   published before the log entry, so every name in the log has a record.
 * Consistency of get. ``get`` reads the record, copies the bytes, then reads the record again: if it
   changed (a concurrent overwrite or delete could have freed and reused the extent), the copy is retried.
-  A get therefore returns either the old or the new tensor, never a mix.
+  A get therefore returns either the old or the new tensor, never a mix. Fast path (one Store round trip)
+  when this process already knows the key's record: read the owner's free counter (bumped under the lock
+  by every free on that rank), read the record, copy, read the counter again; an extent is freed only
+  after its record was replaced, so an unchanged record and counter prove the copy is whole. Otherwise
+  (or on any change) the slow path above. ``put``/``delete`` likewise first try ``compare_set`` against
+  the record this process last saw.
 
 Limits: a rank that dies while holding an allocator lock leaves that rank's allocator locked (the next
 allocation there times out with a message naming the holder); the pool is one job, and a dead rank ends it.
@@ -59,7 +64,7 @@ import torch.distributed as dist
 ALIGN = 4096
 DEFAULT_CAPACITY = 256 << 20
 # allocator window layout (int64 elements)
-LOCK, USED, OBJECTS, NFREE, CAPACITY = 0, 1, 2, 3, 4
+LOCK, USED, OBJECTS, NFREE, CAPACITY, FREES = 0, 1, 2, 3, 4, 5
 HEADER = 8
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
@@ -176,6 +181,8 @@ class TensorStore:
         if self.rank == 0:
             self._store.set("log", "")
         self._tokens = itertools.count()
+        self._known: dict[str, str] = {}   # key -> the record this process last wrote or read (a hint only)
+        self._scratch = torch.empty(1, dtype=torch.int64)
         self._instance = uuid.uuid4().hex[:8]
         self.freed = False
         dist.barrier(group=group)
@@ -207,7 +214,9 @@ class TensorStore:
                 self._free(where, offset, _round_up(nbytes), objects=1)
                 raise
             rec = Record(where, offset, nbytes, t.dtype, tuple(t.shape), token)
-        old = self._publish(key, rec.encode())
+        text = rec.encode()
+        old = self._publish(key, text)
+        self._remember(key, text)
         if old:
             o = Record.decode(old)
             if o.rank >= 0:
@@ -220,7 +229,21 @@ class TensorStore:
         contiguous, on the CPU). KeyError when the key does not exist."""
         self._check_open()
         _check_key(key)
-        text = self._read(key)
+        known = self._known.get(key)
+        if known:
+            # fast path, one Store round trip: the owner's free counter before the record is read and after
+            # the copy; unchanged -> no extent of that rank was freed (hence reused) while we copied
+            rec = Record.decode(known)
+            before = self._frees(rec.rank) if rec.rank >= 0 else 0
+            text = self._read(key)
+            if text == known:
+                dst = self._output(key, rec, out)
+                if rec.nbytes:
+                    self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
+                if rec.rank < 0 or self._frees(rec.rank) == before:
+                    return dst
+        else:
+            text = self._read(key)
         for _ in range(100):
             if not text:
                 raise KeyError(key)
@@ -230,6 +253,7 @@ class TensorStore:
                 self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
             again = self._read(key)
             if again == text:
+                self._remember(key, text)
                 return dst
             text = again     # overwritten or deleted while we copied: the extent may have been reused
         raise RuntimeError(f"TensorStore.get({key!r}): the key kept changing while it was read (100 attempts)")
@@ -239,6 +263,7 @@ class TensorStore:
         self._check_open()
         _check_key(key)
         old = self._publish(key, "")
+        self._known.pop(key, None)
         if not old:
             raise KeyError(key)
         o = Record.decode(old)
@@ -327,9 +352,15 @@ class TensorStore:
         got = self._store.compare_set("k/" + key, _MISSING, _MISSING).decode()
         return "" if got == _MISSING else got
 
+    def _remember(self, key: str, text: str) -> None:
+        if len(self._known) > 100_000:
+            self._known.clear()
+        self._known[key] = text
+
     def _publish(self, key: str, value: str) -> str:
-        """Replace the record of ``key`` with ``value`` atomically; returns the record it replaced ("" if none)."""
-        expected = ""
+        """Replace the record of ``key`` with ``value`` atomically; returns the record it replaced ("" if none).
+        The first guess of the current record is the one this process last saw (one round trip when right)."""
+        expected = self._known.get(key, "")
         for _ in range(10000):
             got = self._store.compare_set("k/" + key, expected, value).decode()
             if got == value:
@@ -390,10 +421,19 @@ class TensorStore:
             raise RuntimeError(f"TensorStore: rank {self.rank} released rank {rank}'s allocator lock but it was "
                                f"held by {prev - 1 if prev else 'nobody'}")
 
-    def _write_state(self, rank: int, used: int, objects: int, ext: list[int]) -> None:
+    def _write_state(self, rank: int, hdr: torch.Tensor, used: int, objects: int, ext: list[int],
+                     freed: bool) -> None:
+        """Write back the header (used, objects, extent count, capacity, frees) and the extents (locked)."""
         if ext:
             self._meta.put(rank, HEADER, torch.tensor(ext, dtype=torch.int64))
-        self._meta.put(rank, USED, torch.tensor([used, objects, len(ext) // 2], dtype=torch.int64))
+        frees = int(hdr[FREES]) + (1 if freed else 0)
+        self._meta.put(rank, USED, torch.tensor([used, objects, len(ext) // 2, int(hdr[CAPACITY]), frees],
+                                                 dtype=torch.int64))
+
+    def _frees(self, rank: int) -> int:
+        """How many frees ``rank``'s allocator has done (a seqlock-style generation for get's fast path)."""
+        self._meta.get(rank, FREES, self._scratch)
+        return int(self._scratch[0])
 
     def _allocate(self, need: int, only: int | None = None) -> tuple[int, int]:
         """(rank, offset) of ``need`` free bytes, placed by free capacity (see the module docstring), or on
@@ -424,7 +464,7 @@ class TensorStore:
                 else:
                     ext[best] += need
                     ext[best + 1] -= need
-                self._write_state(r, int(hdr[USED]) + need, int(hdr[OBJECTS]) + 1, ext)
+                self._write_state(r, hdr, int(hdr[USED]) + need, int(hdr[OBJECTS]) + 1, ext, freed=False)
                 return r, offset
             finally:
                 self._unlock(r)
@@ -463,7 +503,7 @@ class TensorStore:
             ext[2 * i:2 * i] = new
             if len(ext) // 2 > self._max_extents:
                 raise RuntimeError(f"TensorStore: rank {rank}'s free-extent table overflowed (a bug)")
-            self._write_state(rank, int(hdr[USED]) - length, int(hdr[OBJECTS]) - objects, ext)
+            self._write_state(rank, hdr, int(hdr[USED]) - length, int(hdr[OBJECTS]) - objects, ext, freed=True)
         finally:
             self._unlock(rank)
 
