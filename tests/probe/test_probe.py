@@ -140,3 +140,53 @@ def test_hardware_detection_on_a_fake_sysfs(tmp_path: Path, monkeypatch: pytest.
     assert "node1 cpus - 64 GiB (memory only)" in text
     line = verdict_line(again)
     assert "RDMA: present: mlx5_0" in line and "CXL memory: present: mem0" in line
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_prefix: str):  # noqa: ANN201
+    from tests.probe.conftest import KernelSession
+
+    k = KernelSession("sk-test-2")
+    k.ok("pass", timeout=180)
+    yield k
+    k.shutdown()
+
+
+def test_probe_magic_in_the_kernel(kernel) -> None:
+    r = kernel.ok("%probe --quick --time 0.005", timeout=180)
+    text = r.stream()
+    assert "# verdict" in text and "[rank 0]" in text
+    m = re.search(r"intra-host: shared memory, ([\d.]+) GB/s, ([\d.]+) µs", text)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, text
+    assert "[rank 1]" not in text  # only rank 0 reports
+    assert re.search(r"OSU MPI_Put Latency Test", text)  # one-sided measured through the Window
+    images = [d for d in r.of_type("display_data") if "image/png" in d["data"]]
+    assert len(images) == 1
+    import base64
+
+    assert base64.b64decode(images[0]["data"]["image/png"]).startswith(PNG_MAGIC)
+    r = kernel.ok("print(type(probe_report).__name__ if rank == 0 else 'no report', "
+                  "len(probe_report.series) if rank == 0 else 0)")
+    assert "[rank 0] ProbeReport" in r.stream()
+
+
+def test_memory_magic_in_the_kernel(kernel) -> None:
+    r = kernel.ok("%memory")
+    assert "no TensorStore in this pool" in r.stream()
+    kernel.ok("from superkernel.memory import TensorStore\n"
+              "store = TensorStore(capacity_per_rank='4MiB')\n"
+              "store.put(f'r{rank}', torch.zeros(262144 if rank == 0 else 1000))\n"   # 1 MiB and 4000 B
+              "store.put(f'extra{rank}', torch.zeros(3), rank=1)\n"
+              "dist.barrier()")
+    text = kernel.ok("%memory").stream()
+    # reference: what was put, rounded up to the store's 4 KiB allocation unit: rank 0 holds r0 (1 MiB, placed
+    # on the putting rank since both were empty); rank 1 holds r1 (4000 B) and extra0/extra1 (12 B each)
+    used0, used1 = 1 << 20, 3 * 4096
+    assert re.search(r"^\[rank 0\] TensorStore ", text, re.M), text
+    assert re.search(r"^\s*0\s+\S+\s+4 MiB\s+1 MiB\s+3 MiB\s+25\.0\s+1\s+3 MiB$", text, re.M), text
+    pct1 = f"{100 * used1 / (4 << 20):.1f}"
+    assert re.search(rf"^\s*1\s+\S+\s+4 MiB\s+12 KiB\s+4\.0 MiB\s+{pct1}\s+3\s+4\.0 MiB$", text, re.M), text
+    pct = f"{100 * (used0 + used1) / (8 << 20):.1f}"
+    assert re.search(rf"^\s*all\s+8 MiB\s+1\.0 MiB\s+7\.0 MiB\s+{pct}\s+4$", text, re.M), text
+    kernel.ok("store.free()")
+    assert "no TensorStore in this pool" in kernel.ok("%memory").stream()
