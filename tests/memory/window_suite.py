@@ -137,6 +137,21 @@ def accumulate() -> None:
                 if dtype == torch.uint8:
                     want = want % 256
                 check("accumulate", same(win.tensor.long(), want), f"{dtype} {op}: {win.tensor.tolist()} != {want.tolist()}")
+    # hammer: every rank adds ones to the same 1024 elements of rank 0, many times, at the same time
+    reps, m = 400, 1024
+    for dtype in (torch.float32, torch.int64, torch.float16):
+        with Window.allocate(m, dtype) as win:
+            dist.barrier()
+            one = torch.ones(m, dtype=dtype)
+            for _ in range(reps):
+                win.accumulate(0, 0, one)
+            win.flush_all()
+            dist.barrier()
+            if rank == 0:
+                got = win.tensor.double()
+                want = float(min(world * reps, 2048)) if dtype == torch.float16 else float(world * reps)
+                check("accumulate", bool((got == want).all()),
+                      f"hammer {dtype}: {got.unique().tolist()[:8]} != {want} (lost updates)")
     # a partial range at an offset
     with Window.allocate(10, torch.float32) as win:
         dist.barrier()
