@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import threading
 import traceback
 import zlib
 from collections import defaultdict
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import superkernel  # noqa: F401  (registers "mk")
-from superkernel.memory import PeerError, Window
+from superkernel import backend
+from superkernel.memory import CancelledError, PeerError, Window
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8]
 
@@ -236,6 +238,17 @@ def notify() -> None:
             dt = time.monotonic() - t0
             check("notify", 0.25 <= dt < 3.0 and "wait_notify" in str(e), f"timeout after {dt:.2f}s: {e}")
         dist.barrier()
+        # an interrupt (cancel_waits, as the notebook worker sends) ends the wait at once
+        timer = threading.Timer(0.2, backend.cancel_waits)
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            win.wait_notify(9, timeout=20)
+            check("notify", False, "wait_notify was not cancelled")
+        except CancelledError as e:
+            check("notify", time.monotonic() - t0 < 5 and "cancelled" in str(e), f"cancel: {e}")
+        timer.join()
+        dist.barrier()
         # several notified puts with one tag are counted
         win.put(nxt, 0, torch.ones(1), notify=7)
         win.put(nxt, 1, torch.ones(1), notify=7)
@@ -403,7 +416,6 @@ def main() -> None:
     global rank, world
     dist.init_process_group("mk")
     rank, world = dist.get_rank(), dist.get_world_size()
-    from superkernel import backend
     transports = backend.transports()
     if "--die" in sys.argv:
         try:

@@ -92,9 +92,9 @@ class Window:
             raise ValueError(f"superkernel Window: the tensor must be on the CPU, got {tensor.device}")
         if not tensor.is_contiguous():
             raise ValueError("superkernel Window: the tensor must be contiguous")
-        self._impl = _C.Window(_mk_backend(group), tensor.numel(), tensor.dtype)
+        # the contents are copied in before any peer can see the block
+        self._impl = _C.Window(_mk_backend(group), tensor.numel(), tensor.dtype, tensor.detach().reshape(-1))
         local = self._impl.local_tensor()
-        local.copy_(tensor.reshape(-1))
         with torch.no_grad():
             tensor.set_(local.untyped_storage(), 0, tensor.shape, tensor.stride())
         self._tensor = tensor
