@@ -38,7 +38,10 @@ Semantics follow MPI-3 passive-target RMA (``MPI_Win_lock_all`` epochs) and Open
   process died or the group was aborted: ``PeerError`` (a ``RuntimeError``) naming window, op and rank; an
   interrupt (``superkernel.backend.cancel_waits``): ``CancelledError``.
 
-The window needs the ``mk`` backend (``dist.init_process_group("mk")`` or ``"cpu:mk,..."``).
+The window needs the ``mk`` backend (``dist.init_process_group("mk")`` or ``"cpu:mk,..."``); ranks are ranks
+of ``group`` (a subgroup made with ``dist.new_group(..., backend="mk")`` works, with its own numbering).
+Waits without ``timeout=`` use the group's timeout; every wait can be interrupted by
+``superkernel.backend.cancel_waits()``.
 """
 from __future__ import annotations
 
