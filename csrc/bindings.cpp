@@ -68,9 +68,19 @@ mk::Deadline window_deadline(const mk::Window& w, std::optional<double> timeout)
 
 struct PyWindow {
   c10::intrusive_ptr<c10d::Backend> backend;  // owns the communicator the window uses
-  std::unique_ptr<mk::Window> win;
+  // Tensors of operations that were not known complete when their call returned (async, or a wait that
+  // failed): the provider may still read or write them, so they live until the request finished.
+  std::vector<std::pair<mk::RequestPtr, py::object>> held;
+  std::unique_ptr<mk::Window> win;  // destroyed before `held` (it waits for its requests)
   c10::ScalarType dtype;
   mk::Window& w() const { return *win; }
+  void hold(const mk::RequestPtr& r, py::object keep) {
+    release_done();
+    held.emplace_back(r, std::move(keep));
+  }
+  void release_done() {
+    held.erase(std::remove_if(held.begin(), held.end(), [](const auto& h) { return h.first->test(); }), held.end());
+  }
 };
 using PyWindowPtr = std::shared_ptr<PyWindow>;
 
@@ -117,6 +127,7 @@ mk::RedOp window_redop(const std::string& op) {
 // Finish an operation: blocking -> wait and return value; async -> a WindowFuture.
 py::object window_finish(const PyWindowPtr& pw, mk::RequestPtr req, std::shared_ptr<int64_t> result, py::object keep,
                          const char* op, int target, bool async_op) {
+  if (req && !keep.is_none() && (async_op || !req->test())) pw->hold(req, keep);
   auto f = WindowFuture{pw, std::move(req), std::move(result), std::move(keep), op, target};
   if (async_op) return py::cast(std::move(f));
   if (f.req) return f.wait(std::nullopt);
@@ -184,20 +195,28 @@ PYBIND11_MODULE(_C, m) {
       .def("is_completed", &WindowFuture::done);
 
   py::class_<PyWindow, PyWindowPtr>(m, "Window", "The C++ side of superkernel.memory.Window.")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& b, int64_t count, c10::ScalarType st) {
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& b, int64_t count, c10::ScalarType st,
+                       std::optional<at::Tensor> init) {
              auto& pg = as_mk(b);
              auto pw = std::make_shared<PyWindow>();
              pw->backend = b;
              pw->dtype = st;
              if (count < 0) throw py::value_error("superkernel Window: the element count must be >= 0");
              const mk::DType t = window_dtype(st);
+             const void* init_ptr = nullptr;
+             if (init) {
+               auto [ptr, n] = window_buffer(*pw, *init, "__init__", "tensor");
+               if (int64_t(n) != count) throw py::value_error("superkernel Window: init has the wrong element count");
+               init_ptr = ptr;
+             }
              window_call([&] {
                py::gil_scoped_release nogil;
-               pw->win = std::make_unique<mk::Window>(pg.comm(), size_t(count), t, pg.comm().deadline());
+               pw->win = std::make_unique<mk::Window>(pg.comm(), size_t(count), t, pg.comm().deadline(), init_ptr);
              });
              return pw;
            }),
-           py::arg("backend"), py::arg("count"), py::arg("dtype"))
+           py::arg("backend"), py::arg("count"), py::arg("dtype"), py::arg("init") = py::none(),
+           "Collective: expose `count` elements of `dtype` on this rank (initialised from `init`, else zeros).")
       .def_property_readonly("id", [](const PyWindow& p) { return p.w().id(); })
       .def_property_readonly("rank", [](const PyWindow& p) { return p.w().rank(); })
       .def_property_readonly("world_size", [](const PyWindow& p) { return p.w().world(); })
@@ -277,21 +296,23 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("rank"), py::arg("offset"), py::arg("cas"), py::arg("a"), py::arg("b"), py::arg("async_op") = false)
       .def("flush",
-           [](const PyWindow& p, int target, std::optional<double> timeout) {
+           [](PyWindow& p, int target, std::optional<double> timeout) {
              window_call([&] {
                mk::Deadline d = window_deadline(p.w(), timeout);
                py::gil_scoped_release nogil;
                p.w().flush(target, d);
              });
+             p.release_done();
            },
            py::arg("rank"), py::arg("timeout") = py::none())
       .def("flush_all",
-           [](const PyWindow& p, std::optional<double> timeout) {
+           [](PyWindow& p, std::optional<double> timeout) {
              window_call([&] {
                mk::Deadline d = window_deadline(p.w(), timeout);
                py::gil_scoped_release nogil;
                p.w().flush_all(d);
              });
+             p.release_done();
            },
            py::arg("timeout") = py::none())
       .def("fence", [](const PyWindow& p, int target) { window_call([&] { p.w().fence(target); }); }, py::arg("rank"))
@@ -312,12 +333,13 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("tag"))
       .def("free",
-           [](const PyWindow& p, std::optional<double> timeout) {
+           [](PyWindow& p, std::optional<double> timeout) {
              window_call([&] {
                mk::Deadline d = window_deadline(p.w(), timeout);
                py::gil_scoped_release nogil;
                p.w().free(d);
              });
+             p.release_done();
            },
            py::arg("timeout") = py::none());
 }

@@ -119,11 +119,12 @@ class WindowSegment {
   char* base_ = nullptr;
 };
 
-Window::Window(Comm& comm, size_t count, DType dtype, const Deadline& deadline)
+Window::Window(Comm& comm, size_t count, DType dtype, const Deadline& deadline, const void* init)
     : comm_(comm), id_(comm.next_window_id()), dtype_(dtype), esize_(dtype_size(dtype)) {
   comm_.check_usable("window create");
   const int n = comm_.size(), me = comm_.rank();
   own_ = std::make_shared<WindowSegment>(id_, me, count, dtype);
+  if (init && count) std::memcpy(own_->data(), init, count * esize_);
   mapped_.assign(size_t(n), nullptr);
   base_.assign(size_t(n), nullptr);
   remote_.assign(size_t(n), nullptr);
@@ -134,7 +135,6 @@ Window::Window(Comm& comm, size_t count, DType dtype, const Deadline& deadline)
   counts_[size_t(me)] = count;
 
   // Serve our block to remote peers before anyone can know it exists (they learn it in the exchange).
-  std::weak_ptr<WindowSegment> weak = own_;
   for (int p = 0; p < n; ++p) {
     Provider* pr = p == me ? nullptr : comm_.route(p);
     if (!pr || std::string(comm_.transport_of(p)) == "shm") continue;
@@ -146,7 +146,6 @@ Window::Window(Comm& comm, size_t count, DType dtype, const Deadline& deadline)
                               }});
     exposed_on_.push_back(pr);
   }
-  (void)weak;
   try {
     Descriptor mine{kMagic, id_, count, int32_t(getpid()), own_->fd(), uint32_t(dtype), me};
     std::vector<char> all = exchange(0, &mine, sizeof(mine), deadline, "create");
@@ -171,7 +170,15 @@ Window::Window(Comm& comm, size_t count, DType dtype, const Deadline& deadline)
   }
 }
 
-Window::~Window() { release(); }
+Window::~Window() {
+  if (!freed_.load()) {
+    try {  // our requests may still write into the caller's buffers: give them a moment
+      flush_all(Deadline::after(std::chrono::milliseconds(1000)));
+    } catch (const std::exception&) {
+    }
+  }
+  release();
+}
 
 void Window::release() {
   freed_.store(true);

@@ -56,9 +56,10 @@ class Window {
 
   // Collective: every rank of `comm` calls it (in the same order as its other windows) with the number of
   // elements it exposes (ranks may differ) and the same dtype.
-  Window(Comm& comm, size_t count, DType dtype, const Deadline& deadline);
-  // Without free(): stops serving and unmaps at once (peers' later operations on this rank fail or go
-  // nowhere). Prefer free().
+  // `init` (count elements, or null for zeros) is copied in before any peer can see the block.
+  Window(Comm& comm, size_t count, DType dtype, const Deadline& deadline, const void* init = nullptr);
+  // Without free(): waits briefly for this rank's own unfinished operations (their buffers), then stops
+  // serving and unmaps at once (peers' later operations on this rank fail or go nowhere). Prefer free().
   ~Window();
   Window(const Window&) = delete;
   Window& operator=(const Window&) = delete;

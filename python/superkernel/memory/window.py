@@ -38,7 +38,10 @@ Semantics follow MPI-3 passive-target RMA (``MPI_Win_lock_all`` epochs) and Open
   process died or the group was aborted: ``PeerError`` (a ``RuntimeError``) naming window, op and rank; an
   interrupt (``superkernel.backend.cancel_waits``): ``CancelledError``.
 
-The window needs the ``mk`` backend (``dist.init_process_group("mk")`` or ``"cpu:mk,..."``).
+The window needs the ``mk`` backend (``dist.init_process_group("mk")`` or ``"cpu:mk,..."``); ranks are ranks
+of ``group`` (a subgroup made with ``dist.new_group(..., backend="mk")`` works, with its own numbering).
+Waits without ``timeout=`` use the group's timeout; every wait can be interrupted by
+``superkernel.backend.cancel_waits()``.
 """
 from __future__ import annotations
 
@@ -92,9 +95,9 @@ class Window:
             raise ValueError(f"superkernel Window: the tensor must be on the CPU, got {tensor.device}")
         if not tensor.is_contiguous():
             raise ValueError("superkernel Window: the tensor must be contiguous")
-        self._impl = _C.Window(_mk_backend(group), tensor.numel(), tensor.dtype)
+        # the contents are copied in before any peer can see the block
+        self._impl = _C.Window(_mk_backend(group), tensor.numel(), tensor.dtype, tensor.detach().reshape(-1))
         local = self._impl.local_tensor()
-        local.copy_(tensor.reshape(-1))
         with torch.no_grad():
             tensor.set_(local.untyped_storage(), 0, tensor.shape, tensor.stride())
         self._tensor = tensor
