@@ -176,8 +176,9 @@ def verdict_line(report: ProbeReport) -> str:
             if r.provider == "not measured":
                 parts.append(f"{r.link}: not measured ({r.one_sided})")
             else:
+                one = f" (one-sided {r.one_sided.split(';')[0]})" if r.one_sided.startswith("put ") else ""
                 parts.append(f"{r.link}: {r.provider.split(' (mk')[0]}, {r.bandwidth.split(' (')[0]}, "
-                             f"{r.latency.split(' (')[0]}")
+                             f"{r.latency.split(' (')[0]}{one}")
         elif r.link in ("RDMA", "CXL memory"):
             parts.append(f"{r.link}: {r.provider}")
     return "; ".join(parts)
