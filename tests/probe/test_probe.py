@@ -190,3 +190,31 @@ def test_memory_magic_in_the_kernel(kernel) -> None:
     assert re.search(rf"^\s*all\s+8 MiB\s+1\.0 MiB\s+7\.0 MiB\s+{pct}\s+4$", text, re.M), text
     kernel.ok("store.free()")
     assert "no TensorStore in this pool" in kernel.ok("%memory").stream()
+
+
+def test_probe_between_two_hosts(tmp_path: Path) -> None:
+    """Two network-namespace hosts, two ranks each: the probe finds both hosts, measures shared memory
+    inside a host and TCP between them, and says so in the verdict."""
+    from tests.netns.hosts import TwoHosts, run_torch_job, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"two namespace hosts unavailable: {reason}")
+    import superkernel.probe
+
+    entry = str(Path(superkernel.probe.__file__).parent / "__main__.py")
+    report = tmp_path / "probe.json"
+    with TwoHosts() as hosts:
+        results = run_torch_job(hosts, entry, ["--quick", "--time", "0.005", "--plot", "", "--json", str(report)],
+                                nproc_per_host=2, timeout=240, env={"SUPERKERNEL_FRONTEND": "0"})
+    out = results[0].stdout
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-2000:] + r.stderr[-3000:] for r in results)
+    assert "# hardware: 2 host(s), 4 rank(s), backend mk" in out, out
+    assert re.search(r"intra-host: shared memory, [\d.]+ GB/s, [\d.]+ µs", out), out
+    assert re.search(r"inter-host: TCP, [\d.]+ GB/s, [\d.]+ µs", out), out
+    doc = json.loads(report.read_text())
+    assert sorted(map(sorted, doc["ranks_per_host"].values())) == [[0, 1], [2, 3]]
+    routes = {(s["route"]["provider"], s["route"]["b"]) for s in doc["series"] if s["route"]}
+    assert routes == {("shm", 1), ("tcp", 2)}
+    tests = {s["test"] for s in doc["series"] if s["route"] and s["route"]["provider"] == "tcp"}
+    assert tests == {"latency", "bw", "put_latency", "get_latency", "put_bw", "get_bw"}
