@@ -66,6 +66,7 @@ DEFAULT_CAPACITY = 256 << 20
 # allocator window layout (int64 elements)
 LOCK, USED, OBJECTS, NFREE, CAPACITY, FREES = 0, 1, 2, 3, 4, 5
 HEADER = 8
+_GUESS = 32        # extents read together with the header (more cost a second get)
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
 _SEQ: dict[str, itertools.count] = {}
@@ -163,6 +164,7 @@ class TensorStore:
         self._data = Window.allocate((capacity,), torch.uint8, group=group)
         self._meta = Window.allocate((HEADER + 2 * max_extents,), torch.int64, group=group)
         self._max_extents = max_extents
+        self._meta_len = HEADER + 2 * max_extents
         mine = self._meta.tensor
         mine[:HEADER] = 0
         mine[CAPACITY] = capacity
@@ -300,10 +302,8 @@ class TensorStore:
         self._check_open()
         out = []
         for r in range(self.world_size):
-            hdr = self._header(r)
-            ext = self._extents(r, int(hdr[NFREE]))
-            out.append(RankUsage(r, int(hdr[CAPACITY]), int(hdr[USED]), int(hdr[OBJECTS]), int(hdr[NFREE]),
-                                 max((int(x) for x in ext[1::2]), default=0)))
+            hdr, ext = self._state(r)
+            out.append(RankUsage(r, hdr[CAPACITY], hdr[USED], hdr[OBJECTS], hdr[NFREE], max(ext[1::2], default=0)))
         return out
 
     def free(self) -> None:
@@ -393,11 +393,21 @@ class TensorStore:
         self._meta.get(rank, 0, hdr)
         return hdr
 
-    def _extents(self, rank: int, n: int) -> list[int]:
-        if n <= 0:
-            return []
-        ext = torch.empty(2 * n, dtype=torch.int64)
-        self._meta.get(rank, HEADER, ext)
+    def _state(self, rank: int) -> tuple[list[int], list[int]]:
+        """(header, extents) of ``rank``'s allocator: one get for the header and up to ``_GUESS`` extents,
+        a second one only when there are more."""
+        n = min(self._meta_len, HEADER + 2 * _GUESS)
+        buf = torch.empty(n, dtype=torch.int64)
+        self._meta.get(rank, 0, buf)
+        vals = buf.tolist()
+        hdr, nfree = vals[:HEADER], vals[NFREE]
+        if HEADER + 2 * nfree <= n:
+            return hdr, vals[HEADER:HEADER + 2 * nfree]
+        return hdr, vals[HEADER:] + self._extents_from(rank, (n - HEADER) // 2, nfree)
+
+    def _extents_from(self, rank: int, first: int, n: int) -> list[int]:
+        ext = torch.empty(2 * (n - first), dtype=torch.int64)
+        self._meta.get(rank, HEADER + 2 * first, ext)
         return ext.tolist()
 
     def _lock(self, rank: int) -> None:
@@ -421,14 +431,13 @@ class TensorStore:
             raise RuntimeError(f"TensorStore: rank {self.rank} released rank {rank}'s allocator lock but it was "
                                f"held by {prev - 1 if prev else 'nobody'}")
 
-    def _write_state(self, rank: int, hdr: torch.Tensor, used: int, objects: int, ext: list[int],
+    def _write_state(self, rank: int, hdr: list[int], used: int, objects: int, ext: list[int],
                      freed: bool) -> None:
-        """Write back the header (used, objects, extent count, capacity, frees) and the extents (locked)."""
-        if ext:
-            self._meta.put(rank, HEADER, torch.tensor(ext, dtype=torch.int64))
-        frees = int(hdr[FREES]) + (1 if freed else 0)
-        self._meta.put(rank, USED, torch.tensor([used, objects, len(ext) // 2, int(hdr[CAPACITY]), frees],
-                                                 dtype=torch.int64))
+        """Write back the header (used, objects, extent count, capacity, frees) and the extents (locked):
+        one put from the header's second slot to the last extent."""
+        frees = hdr[FREES] + (1 if freed else 0)
+        vals = [used, objects, len(ext) // 2, hdr[CAPACITY], frees] + hdr[FREES + 1:HEADER] + ext
+        self._meta.put(rank, USED, torch.tensor(vals, dtype=torch.int64))
 
     def _frees(self, rank: int) -> int:
         """How many frees ``rank``'s allocator has done (a seqlock-style generation for get's fast path)."""
@@ -439,8 +448,9 @@ class TensorStore:
         """(rank, offset) of ``need`` free bytes, placed by free capacity (see the module docstring), or on
         rank ``only`` when given."""
         candidates = range(self.world_size) if only is None else [only]
-        heads = {r: self._header(r) for r in candidates}
-        free = {r: int(h[CAPACITY]) - int(h[USED]) for r, h in heads.items()}
+        heads = {r: self._header(r).tolist() for r in candidates} if only is None else {}
+        free = ({r: h[CAPACITY] - h[USED] for r, h in heads.items()} if only is None
+                else {only: self.capacities[only]})   # pinned: go straight to the lock
         order = sorted(candidates, key=lambda r: (-free[r], r != self.rank, r))
         largest = 0
         for r in order:
@@ -448,8 +458,7 @@ class TensorStore:
                 continue
             self._lock(r)
             try:
-                hdr = self._header(r)
-                ext = self._extents(r, int(hdr[NFREE]))
+                hdr, ext = self._state(r)
                 best = -1
                 for i in range(0, len(ext), 2):
                     length = ext[i + 1]
@@ -464,14 +473,14 @@ class TensorStore:
                 else:
                     ext[best] += need
                     ext[best + 1] -= need
-                self._write_state(r, hdr, int(hdr[USED]) + need, int(hdr[OBJECTS]) + 1, ext, freed=False)
+                self._write_state(r, hdr, hdr[USED] + need, hdr[OBJECTS] + 1, ext, freed=False)
                 return r, offset
             finally:
                 self._unlock(r)
         for r in order:
             if free[r] >= need:
                 continue
-            largest = max(largest, max((int(x) for x in self._extents(r, int(heads[r][NFREE]))[1::2]), default=0))
+            largest = max(largest, max(self._state(r)[1][1::2], default=0))
         caps = set(self.capacities)
         pool = (f"{self.world_size} ranks × {human(self.capacities[0])} capacity" if len(caps) == 1
                 else f"{self.world_size} ranks, {human(sum(self.capacities))} capacity in total")
@@ -484,8 +493,7 @@ class TensorStore:
         """Return [offset, offset+length) to ``rank``'s free extents, coalescing with its neighbours."""
         self._lock(rank)
         try:
-            hdr = self._header(rank)
-            ext = self._extents(rank, int(hdr[NFREE]))
+            hdr, ext = self._state(rank)
             starts = ext[0::2]
             i = 0
             while i < len(starts) and starts[i] < offset:
@@ -503,7 +511,7 @@ class TensorStore:
             ext[2 * i:2 * i] = new
             if len(ext) // 2 > self._max_extents:
                 raise RuntimeError(f"TensorStore: rank {rank}'s free-extent table overflowed (a bug)")
-            self._write_state(rank, hdr, int(hdr[USED]) - length, int(hdr[OBJECTS]) - objects, ext, freed=True)
+            self._write_state(rank, hdr, hdr[USED] - length, hdr[OBJECTS] - objects, ext, freed=True)
         finally:
             self._unlock(rank)
 
