@@ -356,6 +356,30 @@ def errors() -> None:
 
 
 @family
+def subgroup() -> None:
+    """A window over an mk subgroup of all ranks but the last: group ranks, group size."""
+    members = list(range(max(1, world - 1)))
+    g = dist.new_group(members, backend="mk")
+    if rank not in members:
+        return
+    with Window.allocate(2, torch.int64, group=g) as win:
+        check("subgroup", (win.rank, win.world_size) == (members.index(rank), len(members)),
+              f"rank/world {(win.rank, win.world_size)}")
+        old = win.fetch_add(0, 1, 1)
+        win.flush_all()
+        dist.barrier(group=g)
+        check("subgroup", 0 <= old < len(members), f"fetch_add returned {old}")
+        if win.rank == 0:
+            check("subgroup", int(win.tensor[1]) == len(members), f"counter {win.tensor.tolist()}")
+        expect_index = False
+        try:
+            win.get(len(members), 0, torch.zeros(1, dtype=torch.int64))
+        except IndexError:
+            expect_index = True
+        check("subgroup", expect_index, "group rank == group size was accepted")
+
+
+@family
 def one_sided() -> None:
     """Rank 0 sleeps in time.sleep; every other rank reads, writes and updates its memory meanwhile."""
     nap = 1.5
@@ -423,7 +447,8 @@ def main() -> None:
         except Exception:
             failures["die"].append(traceback.format_exc()[-1500:])
     else:
-        for fn in (put_get, accumulate, fetch_add, compare_swap, notify, fence, async_ops, errors, one_sided):
+        for fn in (put_get, accumulate, fetch_add, compare_swap, notify, fence, async_ops, errors, subgroup,
+                   one_sided):
             fn()
     sys.stdout.write("REPORT " + json.dumps({"rank": rank, "transports": transports, "failures": failures,
                                              "timings": timings}) + "\n")
