@@ -290,6 +290,32 @@ def case_errors(store: TensorStore) -> None:
     dist.barrier()
 
 
+def case_subgroup(store: TensorStore) -> None:
+    """A store over an mk subgroup of every rank but rank 0 (group ranks differ from global ranks), alive
+    next to the whole-world store: keys and space of the two are separate."""
+    c = "subgroup"
+    members = list(range(1, world)) if world > 1 else [0]
+    g = dist.new_group(members, backend="mk")
+    store.put(f"world/{rank}", torch.tensor([rank]))
+    if rank in members:
+        sub = TensorStore(g, capacity_per_rank=256 * KiB)
+        me = members.index(rank)
+        check(c, (sub.rank, sub.world_size) == (me, len(members)), f"group rank/size {(sub.rank, sub.world_size)}")
+        sub.put(f"sub/{rank}", gen(f"sub/{rank}", (1000,)))
+        dist.barrier(group=g)
+        for r in members:
+            check(c, same(sub.get(f"sub/{r}"), gen(f"sub/{r}", (1000,))), f"sub/{r} differs")
+        check(c, sub.keys() == sorted(f"sub/{r}" for r in members), f"subgroup keys {sub.keys()}")
+        check(c, len(sub.stats()) == len(members) and sum(u.objects for u in sub.stats()) == len(members),
+              f"subgroup stats {sub.stats()}")
+        where, _ = sub.locate(f"sub/{rank}")
+        check(c, 0 <= where < len(members), f"placement {where} is not a group rank")
+        dist.barrier(group=g)
+        sub.free()
+    dist.barrier()
+    check(c, store.keys() == sorted(f"world/{r}" for r in range(world)), f"world store keys {store.keys()}")
+
+
 def run(name: str, fn, *args) -> None:  # noqa: ANN001
     t0 = time.perf_counter()
     try:
@@ -319,6 +345,7 @@ def main() -> None:
         ("large", case_large, large + 8 * MiB, (large,)),
         ("dtypes", case_dtypes, 2 * MiB, ()),
         ("errors", case_errors, 1 * MiB, ()),
+        ("subgroup", case_subgroup, 1 * MiB, ()),
     ]
     for name, fn, cap, extra in cases:
         store = TensorStore(capacity_per_rank=cap, timeout=60)
