@@ -218,3 +218,13 @@ def test_probe_between_two_hosts(tmp_path: Path) -> None:
     assert routes == {("shm", 1), ("tcp", 2)}
     tests = {s["test"] for s in doc["series"] if s["route"] and s["route"]["provider"] == "tcp"}
     assert tests == {"latency", "bw", "put_latency", "get_latency", "put_bw", "get_bw"}
+
+
+def test_front_end_modules_do_not_import_torch() -> None:
+    code = ("import sys, superkernel.cli, superkernel.probe.command, superkernel.probe.hardware, "
+            "superkernel.probe.job, superkernel.magics.memory, superkernel.magics.probe, superkernel.magics.rank_side; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SUPERKERNEL_FRONTEND": "1"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "torch" not in out.stdout, out.stdout
