@@ -281,12 +281,16 @@ def case_errors(store: TensorStore) -> None:
     expect(TypeError, lambda: store.get(f"e/{rank}", out=torch.zeros(4, 5, dtype=torch.float64)), "out dtype",
            "torch.float64")
     expect(ValueError, lambda: store.get(f"e/{rank}", out=torch.zeros(5, 4)), "out shape", "(5, 4)")
-    expect(ValueError, lambda: store.get(f"e/{rank}", out=torch.zeros(5, 4).t()), "out non-contiguous")
+    expect(ValueError, lambda: store.get(f"e/{rank}", out=torch.zeros(4, 5).t()), "out shape (transposed)", "(5, 4)")
+    store.put(f"e/nc{rank}", gen("e/nc", (4, 5)))
+    nc = torch.zeros(5, 4).t()                 # non-contiguous out of the right shape: filled via a CPU copy
+    check(c, store.get(f"e/nc{rank}", out=nc) is nc and torch.equal(nc, gen("e/nc", (4, 5))), "non-contiguous out")
     expect(ValueError, lambda: store.put("", torch.zeros(1)), "empty key")
     expect(ValueError, lambda: store.put("a\nb", torch.zeros(1)), "newline key")
     expect(TypeError, lambda: store.put("e/x", [1, 2]), "not a tensor")
     expect(ValueError, lambda: store.put("e/x", torch.zeros(1), rank=world), "rank out of range")
     check(c, store.exists(f"e/{rank}") and not store.exists("e/x"), "state after errors")
+    expect(ValueError, lambda: store.get(f"e/nc{rank}", out=torch.zeros(5, 4).t().t()), "out shape", "(5, 4)")
     dist.barrier()
 
 

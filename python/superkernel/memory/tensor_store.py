@@ -45,6 +45,9 @@ Design (everything below is what the code does; the tests check it):
   (or on any change) the slow path above. ``put``/``delete`` likewise first try ``compare_set`` against
   the record this process last saw.
 
+Device tensors: the pool is host memory. ``put`` of a CUDA tensor copies it to the host first; ``get``
+returns a CPU tensor, or fills a device (or non-contiguous) ``out`` through a host copy.
+
 Limits: a rank that dies while holding an allocator lock leaves that rank's allocator locked (the next
 allocation there times out with a message naming the holder); the pool is one job, and a dead rank ends it.
 """
@@ -227,10 +230,15 @@ class TensorStore:
             self._store.append("log", key + "\n")
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of the tensor stored under ``key`` (into ``out`` when given: same dtype and shape,
-        contiguous, on the CPU). KeyError when the key does not exist."""
+        """A copy of the tensor stored under ``key`` (a new CPU tensor, or ``out`` when given: same dtype
+        and shape; a non-contiguous or device ``out`` is filled through a CPU copy). KeyError when the key
+        does not exist."""
         self._check_open()
         _check_key(key)
+        if out is not None and (out.device.type != "cpu" or not out.is_contiguous()):
+            got = self.get(key)
+            self._check_out(key, got.dtype, tuple(got.shape), out)
+            return out.copy_(got)
         known = self._known.get(key)
         if known:
             # fast path, one Store round trip: the owner's free counter before the record is read and after
@@ -374,14 +382,16 @@ class TensorStore:
     def _output(self, key: str, rec: Record, out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
             return torch.empty(rec.shape, dtype=rec.dtype)
-        if out.dtype != rec.dtype:
-            raise TypeError(f"TensorStore.get({key!r}): out has dtype {out.dtype}, the stored tensor is {rec.dtype}")
-        if tuple(out.shape) != rec.shape:
-            raise ValueError(f"TensorStore.get({key!r}): out has shape {tuple(out.shape)}, the stored tensor "
-                             f"has shape {rec.shape}")
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"TensorStore.get({key!r}): out must be a contiguous CPU tensor")
+        self._check_out(key, rec.dtype, rec.shape, out)
         return out
+
+    @staticmethod
+    def _check_out(key: str, dtype: torch.dtype, shape: tuple[int, ...], out: torch.Tensor) -> None:
+        if out.dtype != dtype:
+            raise TypeError(f"TensorStore.get({key!r}): out has dtype {out.dtype}, the stored tensor is {dtype}")
+        if tuple(out.shape) != shape:
+            raise ValueError(f"TensorStore.get({key!r}): out has shape {tuple(out.shape)}, the stored tensor "
+                             f"has shape {shape}")
 
     def _check_open(self) -> None:
         if self.freed:
