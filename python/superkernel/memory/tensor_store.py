@@ -28,9 +28,9 @@ Design (everything below is what the code does; the tests check it):
   ``put(key, t, rank=r)`` pins the placement to rank r instead; ``locate(key)`` says where a tensor is.
 * Metadata. The record ``key -> (rank, offset, nbytes, dtype, shape, token)`` lives in torch's c10d Store
   (the job's TCPStore), under a prefix of its own per TensorStore instance. Records are replaced with
-  ``compare_set`` only (so two concurrent puts of one key cannot both win and leak space: the loser's
-  publish sees the winner's record and frees the winner's extent after replacing it; exactly one extent
-  per key stays allocated). Every record carries a unique token, so a record never reappears (no ABA).
+  ``compare_set`` only, and whoever replaces a record frees the extent it named: of two concurrent puts of
+  one key, the later publisher replaces the earlier one's record and frees its extent, so exactly one
+  extent per key stays allocated. Every record carries a unique token, so a record never reappears (no ABA).
   A deleted key's record becomes the empty string (a tombstone) rather than disappearing.
 * Index. The c10d Store cannot list keys, so each put of a new key (or one previously deleted) appends
   ``key + "\\n"`` to an append-only log key with the Store's atomic ``append``. ``keys(prefix)`` reads the
