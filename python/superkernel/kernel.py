@@ -30,7 +30,8 @@ from ipykernel.ipkernel import IPythonKernel
 
 from superkernel import __version__
 from superkernel.magics import front_side
-from superkernel.merge import ErrorInfo, StreamMerger, format_ranks, group_errors, merge_results, render_lines
+from superkernel.merge import (ErrorInfo, StreamMerger, display_token, format_ranks, group_errors, merge_results,
+                              render_lines, split_displays)
 from superkernel.pool import Death, Pool, PoolSpec, PoolStartError, default_nranks
 from superkernel.protocol import Event
 
@@ -53,6 +54,7 @@ class CellRun:
     deaths: list[Death] = field(default_factory=list)
     progress_ids: dict[tuple[str, int], str] = field(default_factory=dict)
     last_set: dict[str, tuple[int, ...]] = field(default_factory=dict)  # rank set of the last line, per stream
+    displays: dict[str, dict[str, Any]] = field(default_factory=dict)  # DisplayToken -> display_data content
     cleared: bool = False
     finished: bool = False
     interrupted_at: float | None = None
@@ -191,10 +193,18 @@ class SuperKernel(IPythonKernel):
                 self._publish_ready(cell)
             elif kind == "execute_result":
                 cell.results[ev.rank] = content.get("data", {})
+            elif kind == "display_data" and not (content.get("transient") or {}).get("display_id"):
+                # through the stdout merger: identical displays of several ranks collapse into one, and
+                # each stays in its place among the rank's printed lines
+                token = display_token(content)
+                cell.displays.setdefault(token, content)
+                cell.mergers.setdefault("stdout", self._new_merger(cell.ranks)).add_item(
+                    ev.rank, token, time.monotonic())
+                self._publish_ready(cell)
             elif kind in ("display_data", "update_display_data"):
                 self._publish_ready(cell, final=False, hold=False)
                 meta = dict(content.get("metadata") or {})
-                meta["superkernel"] = {"rank": ev.rank}
+                meta["superkernel"] = {"rank": ev.rank, "ranks": [ev.rank]}
                 out = dict(content, metadata=meta)
                 self._send(kind, out, cell.parent)
             elif kind == "clear_output":
@@ -252,13 +262,20 @@ class SuperKernel(IPythonKernel):
                     kind = "update_display_data"
                 self._send(kind, {"data": {"text/plain": text}, "metadata": {},
                                   "transient": {"display_id": cell.progress_ids[key]}}, cell.parent)
-            groups = merger.take(now, final=final)
-            if groups:
-                for rs, line in groups:
+            for kind, run in split_displays(merger.take(now, final=final)):
+                if kind == "display":
+                    rs, token = run[0]
+                    content = cell.displays[token]
+                    meta = dict(content.get("metadata") or {})
+                    meta["superkernel"] = {"rank": rs[0], "ranks": list(rs)}
+                    self._send("display_data", dict(content, metadata=meta), cell.parent)
+                    cell.last_set.pop(name, None)  # the next line is labelled again
+                    continue
+                for rs, line in run:
                     for r in rs:
                         self._last_lines[r].append(line)
-                text = render_lines(groups, label=cell.label, after=cell.last_set.get(name))
-                cell.last_set[name] = tuple(groups[-1][0])
+                text = render_lines(run, label=cell.label, after=cell.last_set.get(name))
+                cell.last_set[name] = tuple(run[-1][0])
                 self._send("stream", {"name": name, "text": text}, cell.parent)
 
     # -------------------------------------------------------------------------------------- execution
