@@ -5,12 +5,13 @@ import argparse
 import sys
 from typing import Callable
 
-from superkernel import install
+from superkernel import install, join
 
 Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "install": ("install the Jupyter kernelspecs", install.add_arguments, install.run),
+    "join": ("start this host's ranks of a kernel's pool that spans hosts", join.add_arguments, join.run),
 }
 
 

@@ -9,7 +9,9 @@ The kernel process never imports torch. It owns
   feeds it events and ticks; merged output is published on IOPub from that thread as it arrives.
 
 Settings come from the environment the kernelspec sets: ``SUPERKERNEL_FLAVOR`` (torch|mpi|plain),
-``SUPERKERNEL_RANKS``, ``SUPERKERNEL_BACKEND``, ``SUPERKERNEL_LAUNCHER_ARGS``, ``SUPERKERNEL_BIND``,
+``SUPERKERNEL_RANKS`` (ranks per host), ``SUPERKERNEL_BACKEND``, ``SUPERKERNEL_LAUNCHER_ARGS``,
+``SUPERKERNEL_BIND`` (a reachable address for a pool spanning hosts, see :mod:`superkernel.join`),
+``SUPERKERNEL_JOIN_FILE``, ``SUPERKERNEL_START_TIMEOUT``,
 ``SUPERKERNEL_INTERRUPT_GRACE`` (seconds a rank gets to honour an interrupt before SIGTERM/SIGKILL).
 """
 from __future__ import annotations
@@ -83,6 +85,8 @@ class SuperKernel(IPythonKernel):
             backend=env.get("SUPERKERNEL_BACKEND") or None,
             launcher_args=shlex.split(env.get("SUPERKERNEL_LAUNCHER_ARGS", "")),
             bind_ip=env.get("SUPERKERNEL_BIND", "127.0.0.1"),
+            start_timeout=float(env.get("SUPERKERNEL_START_TIMEOUT", "180")),
+            join_file=env.get("SUPERKERNEL_JOIN_FILE") or None,
         )
         self.output_mode = env.get("SUPERKERNEL_OUTPUT", "collapse")
         self.max_lines = int(env.get("SUPERKERNEL_MAX_LINES", "1000"))
@@ -156,6 +160,10 @@ class SuperKernel(IPythonKernel):
             return pool
         from tqdm import tqdm
 
+        if pool.join_file:
+            self._send("stream", {"name": "stderr", "text": (
+                f"this pool spans hosts: on each other host run `superkernel join {pool.join_file}` (copy the "
+                "file there first; it holds the pool's key: keep it private)\n")}, parent)
         display_id = uuid.uuid4().hex
         writer = _DisplayWriter(self, parent, display_id)
         bar = tqdm(total=pool.world_size, desc=f"starting {self.flavor} pool", unit="rank", file=writer,

@@ -36,12 +36,14 @@ from typing import Any, Callable, Protocol
 
 import psutil
 
+from superkernel.join import JoinSpec, spans_hosts
 from superkernel.protocol import SYNC, Event, KernelChannels
 
 log = logging.getLogger("superkernel.pool")
 
 HEARTBEAT_TIMEOUT = 10.0
 TICK = 0.025
+PING_INTERVAL = 1.0  # the kernel's "I am alive" to ranks on other hosts (they cannot watch its pid)
 
 
 @dataclass
@@ -52,10 +54,27 @@ class PoolSpec:
     launcher_args: list[str] = field(default_factory=list)  # extra torchrun/mpirun arguments
     bind_ip: str = "127.0.0.1"
     start_timeout: float = 180.0
+    join_file: str | None = None     # where a pool spanning hosts writes its join file (default: runtime dir)
 
     @property
     def local(self) -> bool:
         return self.bind_ip.startswith("127.")
+
+    @property
+    def multi_host(self) -> bool:
+        return self.flavor == "torch" and spans_hosts(self.launcher_args)
+
+    def world_size_guess(self) -> int:
+        """The world size before the first rank reports it: nproc × nnodes when --nnodes is a number."""
+        if not self.multi_host:
+            return self.nranks
+        for i, a in enumerate(self.launcher_args):
+            name, _, value = a.partition("=")
+            if name == "--nnodes":
+                value = value or (self.launcher_args[i + 1] if i + 1 < len(self.launcher_args) else "")
+                if value.isdigit():
+                    return self.nranks * int(value)
+        return self.nranks
 
 
 @dataclass
@@ -123,7 +142,7 @@ class Pool:
         self.ranks: dict[int, RankInfo] = {}
         self.dead: dict[int, Death] = {}
         self.ready = threading.Event()
-        self.expected = spec.nranks    # the world size the ranks report (differs on several hosts)
+        self.expected = spec.world_size_guess()  # until the ranks report the world size themselves
         self.failed: str | None = None
         self.started_at = 0.0
         self.ready_at = 0.0
@@ -139,6 +158,8 @@ class Pool:
         self._conn_file = os.path.join(self._dir, "connection.json")
         self.channels.info.write(self._conn_file)
         self._thread = threading.Thread(target=self._dispatch_loop, name="superkernel-pool", daemon=True)
+        self.join_file: str | None = None  # written by start() when the pool spans hosts
+        self._host = hostname()
 
     # ------------------------------------------------------------------------------------------- start
     def worker_command(self) -> list[str]:
@@ -149,8 +170,7 @@ class Pool:
         n = self.spec.nranks
         if self.spec.flavor == "torch":
             extra = self.spec.launcher_args
-            multi = any(a.split("=")[0] in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint") for a in extra)
-            rdzv = [] if multi else ["--standalone"]   # several hosts: the user's --nnodes/--rdzv-endpoint
+            rdzv = [] if self.spec.multi_host else ["--standalone"]  # several hosts: the user's rendezvous
             return [[sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={n}",
                      "--monitor-interval=0.1", *extra, "-m", "superkernel.worker",
                      "--connection-file", self._conn_file, "--flavor", "torch"]]
@@ -178,6 +198,8 @@ class Pool:
         if self.spec.flavor == "mpi" and os.geteuid() == 0:
             env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
         self.started_at = time.monotonic()
+        if self.spec.multi_host:
+            self._write_join_file()
         for i, cmd in enumerate(self.launch_commands()):
             penv = env
             if self.spec.flavor == "plain":
@@ -193,6 +215,22 @@ class Pool:
                              name=f"superkernel-launcher-{proc.pid}").start()
         if not self._thread.is_alive():
             self._thread.start()
+
+    def _write_join_file(self) -> None:
+        if self.spec.local:
+            raise PoolStartError(
+                "this pool spans several hosts (SUPERKERNEL_LAUNCHER_ARGS has --nnodes/--rdzv-endpoint) but the "
+                "kernel listens on loopback only: set SUPERKERNEL_BIND to this host's address that the other "
+                "hosts can reach")
+        path = self.spec.join_file
+        if not path:
+            from jupyter_core.paths import jupyter_runtime_dir
+
+            os.makedirs(jupyter_runtime_dir(), exist_ok=True)
+            path = os.path.join(jupyter_runtime_dir(), f"superkernel-join-{self.channels.pool_id}.json")
+        JoinSpec(self.channels.info, list(self.spec.launcher_args), self.spec.nranks, self.spec.backend).write(path)
+        self.join_file = path
+        log.info("pool spans hosts: on every other host run `superkernel join %s`", path)
 
     def wait_ready(self, timeout: float | None = None,
                    progress: Callable[[int, int], None] | None = None,
@@ -253,7 +291,7 @@ class Pool:
     def signal_ranks(self, ranks: list[int], sig: int) -> None:
         for r in ranks:
             info = self.ranks.get(r)
-            if info is None or not self.spec.local:
+            if info is None or not self.is_here(info):
                 continue
             try:
                 os.kill(info.pid, sig)
@@ -281,7 +319,7 @@ class Pool:
                     self._root_cause_pid = -1 - int(m.group(1))  # marks the rank, see _known_code
 
     def _dispatch_loop(self) -> None:
-        next_check = 0.0
+        next_check = next_ping = 0.0
         while not self._stop.is_set():
             try:
                 ev = self.channels.recv(TICK)
@@ -293,6 +331,9 @@ class Pool:
                     return
                 log.exception("pool dispatcher: receiving failed")
             now = time.monotonic()
+            if self.spec.multi_host and now >= next_ping:
+                next_ping = now + PING_INTERVAL
+                self._ping_remote()
             if now >= next_check:
                 next_check = now + 0.1
                 try:
@@ -342,7 +383,7 @@ class Pool:
         for r, info in self.ranks.items():
             if r in self.dead:
                 continue
-            if self.spec.local:
+            if self.is_here(info):
                 if not _pid_alive(info.pid):
                     gone.append(info)
             elif now - info.last_beat > HEARTBEAT_TIMEOUT:
@@ -360,13 +401,26 @@ class Pool:
         deaths = []
         for g in gone:
             code = self._known_code(g)
-            detail = "" if code is not None or self.spec.local else f"no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s"
+            detail = "" if code is not None or self.is_here(g) else f"no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s"
             root = self._root_cause_pid in (g.pid, -1 - g.rank)
             d = Death(g.rank, g.pid, g.host, code, detail, root_cause=root)
             self.dead[g.rank] = d
             deaths.append(d)
         deaths.sort(key=lambda d: d.order)
         self.listener.on_death(deaths)
+
+    def is_here(self, info: RankInfo) -> bool:
+        """Does this rank run on the kernel's host (so its pid can be watched and signalled)?"""
+        return self.spec.local or info.host == self._host
+
+    def _ping_remote(self) -> None:
+        for r, info in list(self.ranks.items()):
+            if r in self.dead or self.is_here(info):
+                continue
+            try:
+                self.channels.send(r, "ping", {}, timeout=0)
+            except Exception:
+                pass  # not connected (yet, or any more): its heartbeat decides
 
     def _known_code(self, info: RankInfo) -> int | None:
         code = self._exit_codes.get(info.pid)
@@ -393,7 +447,7 @@ class Pool:
                 pass
         pids = {p.pid for p in procs}
         for info in self.ranks.values():
-            if info.pid not in pids and self.spec.local:
+            if info.pid not in pids and self.is_here(info):
                 try:
                     procs.append(psutil.Process(info.pid))
                 except psutil.NoSuchProcess:
@@ -435,6 +489,11 @@ class Pool:
             self._thread.join(timeout=2)
         self.channels.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.join_file:  # it holds the pool's key, which dies with the pool
+            try:
+                os.unlink(self.join_file)
+            except OSError:
+                pass
 
 
 def _pid_alive(pid: int) -> bool:

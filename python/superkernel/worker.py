@@ -31,6 +31,9 @@ from superkernel.protocol import ConnectionInfo, WorkerChannels
 log = logging.getLogger("superkernel.worker")
 
 HEARTBEAT_INTERVAL = 0.5
+# A rank on another host than the kernel cannot watch the kernel's pid; it exits when the kernel's pings
+# (every second) stop for this long.
+KERNEL_SILENCE = float(os.environ.get("SUPERKERNEL_KERNEL_SILENCE", "30"))
 STREAM_FLUSH_INTERVAL = 0.03
 
 
@@ -148,6 +151,7 @@ class Worker:
         self.channels = WorkerChannels(info, self.rank)
         self.session = self.channels.session
         self.busy = threading.Event()
+        self._kernel_heard = time.monotonic()
         self.stopping = threading.Event()
         self._main_ident = threading.get_ident()
         self._start_io()
@@ -214,18 +218,24 @@ class Worker:
     # -- control thread --
     def control_loop(self) -> None:
         last_beat = 0.0
+        self._kernel_heard = time.monotonic()
         while not self.stopping.is_set():
             msg = self.channels.recv_request(timeout=0.1, control=True)
             now = time.monotonic()
+            if msg is not None:
+                self._kernel_heard = now
             if now - last_beat > HEARTBEAT_INTERVAL:
                 last_beat = now
                 self.send("heartbeat", {"busy": self.busy.is_set()})
                 if not self._kernel_alive():
-                    log.error("rank %d: kernel process %d is gone; exiting", self.rank, self.info.kernel_pid)
+                    log.error("rank %d: kernel process %d on %s is gone; exiting", self.rank, self.info.kernel_pid,
+                              self.info.kernel_host)
                     os._exit(3)
             if msg is None:
                 continue
             kind = msg["header"]["msg_type"]
+            if kind == "ping":
+                continue
             if kind == "interrupt_request":
                 self.interrupt()
             elif kind == "shutdown_request":
@@ -249,7 +259,7 @@ class Worker:
     def _kernel_alive(self) -> bool:
         """False once the kernel process is gone (or a zombie nobody has reaped yet)."""
         if self.info.kernel_host != socket.gethostname():
-            return True
+            return time.monotonic() - self._kernel_heard < KERNEL_SILENCE
         try:
             os.kill(self.info.kernel_pid, 0)
         except ProcessLookupError:
