@@ -11,7 +11,7 @@ The kernel process never imports torch. It owns
 Settings come from the environment the kernelspec sets: ``SUPERKERNEL_FLAVOR`` (torch|mpi|plain),
 ``SUPERKERNEL_RANKS`` (ranks per host), ``SUPERKERNEL_BACKEND``, ``SUPERKERNEL_LAUNCHER_ARGS``,
 ``SUPERKERNEL_BIND`` (a reachable address for a pool spanning hosts, see :mod:`superkernel.join`),
-``SUPERKERNEL_JOIN_FILE``, ``SUPERKERNEL_START_TIMEOUT``,
+``SUPERKERNEL_JOIN_FILE``, ``SUPERKERNEL_START_TIMEOUT``, ``SUPERKERNEL_LAUNCHER`` (torchrun | srun),
 ``SUPERKERNEL_INTERRUPT_GRACE`` (seconds a rank gets to honour an interrupt before SIGTERM/SIGKILL).
 """
 from __future__ import annotations
@@ -87,6 +87,7 @@ class SuperKernel(IPythonKernel):
             bind_ip=env.get("SUPERKERNEL_BIND", "127.0.0.1"),
             start_timeout=float(env.get("SUPERKERNEL_START_TIMEOUT", "180")),
             join_file=env.get("SUPERKERNEL_JOIN_FILE") or None,
+            launcher=env.get("SUPERKERNEL_LAUNCHER") or None,
         )
         self.output_mode = env.get("SUPERKERNEL_OUTPUT", "collapse")
         self.max_lines = int(env.get("SUPERKERNEL_MAX_LINES", "1000"))

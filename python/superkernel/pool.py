@@ -55,6 +55,7 @@ class PoolSpec:
     bind_ip: str = "127.0.0.1"
     start_timeout: float = 180.0
     join_file: str | None = None     # where a pool spanning hosts writes its join file (default: runtime dir)
+    launcher: str | None = None      # torch flavour: torchrun (default) or srun (Slurm)
 
     @property
     def local(self) -> bool:
@@ -62,7 +63,7 @@ class PoolSpec:
 
     @property
     def multi_host(self) -> bool:
-        return self.flavor == "torch" and spans_hosts(self.launcher_args)
+        return self.flavor == "torch" and self.launcher != "srun" and spans_hosts(self.launcher_args)
 
     def world_size_guess(self) -> int:
         """The world size before the first rank reports it: nproc × nnodes when --nnodes is a number."""
@@ -131,6 +132,7 @@ class PoolStartError(RuntimeError):
 _TORCHRUN_FAIL = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _TORCHRUN_SIGNAL = re.compile(r"Signal (\d+) \(\w+\) received by PID (\d+)")
 _MPI_SIGNAL = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited on\s+signal (\d+)")
+_SRUN_FAIL = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (Killed|Terminated|Exited with exit code (\d+))")
 _MPI_EXIT = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited .*?status (\d+)", re.S)
 
 
@@ -168,6 +170,17 @@ class Pool:
 
     def launch_commands(self) -> list[list[str]]:
         n = self.spec.nranks
+        if self.spec.flavor == "torch" and self.spec.launcher == "srun":
+            srun = shutil.which("srun")
+            if srun is None:
+                raise PoolStartError("the srun launcher needs Slurm's srun on PATH (Debian: slurm-client)")
+            # one job step of n tasks; Slurm numbers them (SLURM_PROCID = rank) and, with --kill-on-bad-exit,
+            # ends the whole step when one rank dies, as torchrun does
+            return [[srun, f"--ntasks={n}", "--kill-on-bad-exit=1", "--job-name=superkernel",
+                     *self.spec.launcher_args, *self.worker_command()]]
+        if self.spec.launcher not in (None, "torchrun", "mpirun"):
+            raise PoolStartError(f"unknown launcher {self.spec.launcher!r} for the {self.spec.flavor} flavour "
+                                 "(torch: torchrun or srun; mpi: mpirun)")
         if self.spec.flavor == "torch":
             extra = self.spec.launcher_args
             rdzv = [] if self.spec.multi_host else ["--standalone"]  # several hosts: the user's rendezvous
@@ -195,6 +208,9 @@ class Pool:
         for k in ("PYTEST_CURRENT_TEST", "JPY_PARENT_PID", "MPLBACKEND"):
             env.pop(k, None)
         env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+        if self.spec.launcher == "srun":
+            env["MASTER_PORT"] = str(_free_port())  # rank 0's node hosts the store (see worker.rendezvous_env)
+            env.pop("MASTER_ADDR", None)
         if self.spec.flavor == "mpi" and os.geteuid() == 0:
             env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
         self.started_at = time.monotonic()
@@ -317,6 +333,14 @@ class Pool:
                 self._rank_exit_codes[int(m.group(1))] = -int(m.group(3))
                 if self._root_cause_pid is None:
                     self._root_cause_pid = -1 - int(m.group(1))  # marks the rank, see _known_code
+            m = _SRUN_FAIL.search(line)
+            if m:
+                how = m.group(2)
+                code = int(m.group(3)) if m.group(3) else (-signal.SIGKILL if how == "Killed" else -signal.SIGTERM)
+                for rank in _expand_ranks(m.group(1)):
+                    self._rank_exit_codes.setdefault(rank, code)
+                    if self._root_cause_pid is None and how != "Terminated":
+                        self._root_cause_pid = -1 - rank
 
     def _dispatch_loop(self) -> None:
         next_check = next_ping = 0.0
@@ -520,6 +544,21 @@ def default_nranks() -> int:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _expand_ranks(spec: str) -> list[int]:
+    """Slurm's task list ``0-2,5`` -> [0, 1, 2, 5]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def hostname() -> str:

@@ -54,6 +54,24 @@ def rank_environment(flavor: str) -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def rendezvous_env() -> None:
+    """Under srun there is no torchrun to set MASTER_ADDR: rank 0 runs on the first node of the job step
+    (Slurm's block distribution), which hosts torch's TCPStore. The kernel chose MASTER_PORT."""
+    env = os.environ
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if "MASTER_ADDR" in env or not nodes or "SLURM_PROCID" not in env:
+        return
+    import subprocess
+
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30)
+        first = out.stdout.split()[0] if out.returncode == 0 and out.stdout.split() else nodes.split(",")[0]
+    except (OSError, subprocess.TimeoutExpired):
+        first = nodes.split(",")[0]
+    env["MASTER_ADDR"] = first
+    env.setdefault("MASTER_PORT", "29500")
+
+
 def choose_backend() -> tuple[str, str]:
     """The torch.distributed backend string and a note on why it was chosen.
 
@@ -92,6 +110,7 @@ def init_torch(rank: int, world_size: int, local_rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     backend, why = choose_backend()
+    rendezvous_env()
     timeout = timedelta(seconds=float(os.environ.get("SUPERKERNEL_DIST_TIMEOUT", "1800")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     if torch.cuda.is_available():
