@@ -45,6 +45,10 @@ class Comm {
   const std::vector<PeerInfo>& peers() const { return peers_; }
   // "self", "shm" or "tcp"
   const char* transport_of(int peer) const;
+  // The provider that reaches `peer` (null for this rank itself).
+  Provider* route(int peer) const { return route_.at(size_t(peer)); }
+  // Ids of one-sided windows: every rank creates the windows of a communicator in the same order.
+  uint64_t next_window_id() { return window_ids_.fetch_add(1); }
 
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check);
   RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t check);
@@ -71,6 +75,7 @@ class Comm {
   std::unique_ptr<TcpProvider> tcp_;
   std::vector<Provider*> route_;
   uint64_t seq_ = 0;
+  std::atomic<uint64_t> window_ids_{1};
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mu_;
   std::string abort_reason_;

@@ -163,8 +163,8 @@ def test_tcp_connection_without_the_job_secret_is_rejected_and_logged() -> None:
             time.sleep(0.2)
     assert len(ports) == 1, f"rank 0 listens on {ports} besides torch's store"
     for port in ports:
-        # a stranger with the right protocol magic but the wrong secret, and one with garbage
-        for payload in (struct.pack("<IHHii32s", 0x4D4B5431, 1, 0, 1, 2, b"x" * 32), b"GET / HTTP/1.0\r\n\r\n" * 4):
+        # a stranger with the right protocol magic and version (2: RMA frames) but the wrong secret, and garbage
+        for payload in (struct.pack("<IHHii32s", 0x4D4B5431, 2, 0, 1, 2, b"x" * 32), b"GET / HTTP/1.0\r\n\r\n" * 4):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.sendall(payload)
                 s.settimeout(5)

@@ -21,8 +21,21 @@ namespace mk {
 namespace {
 
 constexpr uint32_t kMagic = 0x4d4b5431;  // "MKT1"
-constexpr uint16_t kVersion = 1;
+// Version 2 added the RMA frame types.
+constexpr uint16_t kVersion = 2;
 constexpr uint16_t kData = 1;
+// RMA frames. Origin -> target: tag = region id, seq = operation id, total = byte offset in the region.
+//   PUT: offset = notify tag (kNoNotify: none), payload = the bytes.
+//   GET: offset = bytes wanted, no payload.
+//   ACC: check = dtype | redop << 8, payload = the operand elements.
+//   AMO: check = AmoOp, payload = two int64 (a, b).
+// Target -> origin, REPLY: tag = status (0 ok, 1 failed), seq = the operation id, total = the old value
+// (AMO), payload = the data (GET) or the error message (failed).
+constexpr uint16_t kRmaPut = 2;
+constexpr uint16_t kRmaGet = 3;
+constexpr uint16_t kRmaAcc = 4;
+constexpr uint16_t kRmaAmo = 5;
+constexpr uint16_t kRmaReply = 6;
 
 struct Hello {
   uint32_t magic;
@@ -130,7 +143,17 @@ struct TcpProvider::Frame {
   WireHeader hdr;
   const char* data;
   size_t done = 0;  // bytes of header + payload written
-  std::shared_ptr<SendState> msg;
+  std::shared_ptr<SendState> msg;  // null for RMA frames (they finish with their reply)
+  std::shared_ptr<void> keep;      // keeps `data` alive (an exposed region, an error message)
+};
+
+struct TcpProvider::Pending {
+  RequestPtr req;
+  int peer = -1;
+  char* dst = nullptr;  // GET: where the reply's payload goes
+  size_t dst_len = 0;
+  std::shared_ptr<int64_t> result;  // AMO: the old value
+  std::shared_ptr<void> keep;
 };
 
 struct TcpProvider::InMsg {
@@ -154,6 +177,12 @@ struct TcpProvider::Conn {
   InMsg* cur = nullptr;
   char* cur_dst = nullptr;
   size_t frag_left = 0;
+  // an RMA frame being received (progress thread only)
+  bool rma = false;
+  std::shared_ptr<RmaRegion> region;        // target: the region the operation works on
+  std::string rma_error;                    // target: why the operation is refused (payload dropped)
+  std::vector<char> scratch;                // operands, dropped payloads, error messages
+  std::unique_ptr<Pending> reply;           // origin: the operation this reply finishes
 };
 
 struct TcpProvider::Peer {
@@ -398,7 +427,7 @@ void TcpProvider::flush_locked(Conn& c, std::vector<std::shared_ptr<SendState>>&
     if (f.done == total) {
       auto st = f.msg;
       c.out.pop_front();
-      if (st->remaining.fetch_sub(1) == 1) done.push_back(std::move(st));
+      if (st && st->remaining.fetch_sub(1) == 1) done.push_back(std::move(st));
     }
   }
 }
@@ -464,7 +493,7 @@ void TcpProvider::match_ready(Peer& p) {
 void TcpProvider::on_readable(Conn& c) {
   Peer& p = *peers_[c.peer];
   while (true) {
-    if (c.cur == nullptr) {
+    if (c.cur == nullptr && !c.rma) {
       ssize_t k = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(WireHeader) - c.hdr_got, 0);
       if (k == 0) return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") closed the connection"));
       if (k < 0) {
@@ -475,6 +504,10 @@ void TcpProvider::on_readable(Conn& c) {
       c.hdr_got += size_t(k);
       if (c.hdr_got < sizeof(WireHeader)) continue;
       const WireHeader& h = c.hdr;
+      if (h.magic == kMagic && h.version == kVersion && h.type != kData) {
+        if (!rma_begin(c)) return;
+        continue;
+      }
       if (h.magic != kMagic || h.version != kVersion || h.type != kData || h.offset + h.length > h.total ||
           (h.seq < p.next_match_seq && !p.inbox.count(h.seq))) {
         return peer_failed(c.peer, cat("protocol error on the connection to peer ", c.peer, " (bad frame header)"));
@@ -511,6 +544,13 @@ void TcpProvider::on_readable(Conn& c) {
       c.frag_left -= size_t(k);
       if (c.frag_left > 0) continue;
     }
+    if (c.rma) {
+      c.rma = false;
+      c.hdr_got = 0;
+      rma_end(c);
+      if (!peers_[c.peer]->alive.load()) return;
+      continue;
+    }
     // Fragment complete.
     InMsg* m = c.cur;
     const uint64_t seq = c.hdr.seq;
@@ -537,13 +577,20 @@ void TcpProvider::peer_failed(int peer, const std::string& why) {
   std::vector<std::shared_ptr<SendState>> sends;
   for (auto& c : p.conns) {
     std::lock_guard<std::mutex> lock(c->mu);
-    for (auto& f : c->out) sends.push_back(f.msg);
+    for (auto& f : c->out)
+      if (f.msg) sends.push_back(f.msg);
     c->out.clear();
     epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
     ::shutdown(c->fd, SHUT_RDWR);
     c->cur = nullptr;
   }
   for (auto& s : sends) s->req->fail(msg);
+  for (auto& c : p.conns)
+    if (c->reply) {
+      c->reply->req->fail(msg);
+      c->reply.reset();
+    }
+  fail_pending(peer, msg);
   for (auto& [seq, m] : p.inbox)
     if (m->arrival) matcher_.abandon(m->arrival, msg);
   p.inbox.clear();
@@ -560,6 +607,236 @@ void TcpProvider::abort(const std::string& why) {
 
 bool TcpProvider::peer_alive(int peer) const {
   return peer >= 0 && peer < world_ && peers_[peer] && peers_[peer]->alive.load();
+}
+
+}  // namespace mk
+
+namespace mk {
+
+// ---------------------------------------------------------------------------------------------------
+// One-sided access
+
+void TcpProvider::expose(uint64_t region, RmaRegion r) {
+  std::lock_guard<std::mutex> lock(regions_mu_);
+  regions_[region] = std::make_shared<RmaRegion>(std::move(r));
+}
+
+void TcpProvider::withdraw(uint64_t region) {
+  std::lock_guard<std::mutex> lock(regions_mu_);
+  regions_.erase(region);  // an operation still being served holds its own reference
+}
+
+RequestPtr TcpProvider::rma_submit(int peer, uint16_t type, uint64_t region, uint64_t offset, uint64_t check,
+                                   uint64_t aux, const void* payload, size_t len, char* dst, size_t dst_len,
+                                   std::shared_ptr<int64_t> result, std::shared_ptr<void> keep) {
+  if (peer < 0 || peer >= world_ || !peers_[peer])
+    throw Error(cat("mk tcp: rank ", rank_, " has no tcp connection to peer ", peer));
+  Peer& p = *peers_[peer];
+  auto req = std::make_shared<Request>();
+  auto fail_now = [&] {
+    std::lock_guard<std::mutex> lock(p.fail_mu);
+    req->fail(p.failure);
+  };
+  if (!p.alive.load()) {
+    fail_now();
+    return req;
+  }
+  uint64_t id;
+  {
+    auto pend = std::make_unique<Pending>();
+    pend->req = req;
+    pend->peer = peer;
+    pend->dst = dst;
+    pend->dst_len = dst_len;
+    pend->result = std::move(result);
+    pend->keep = keep;
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    id = next_op_++;
+    pending_[id] = std::move(pend);
+  }
+  Frame f;
+  f.hdr = WireHeader{kMagic, kVersion, type, region, check, id, offset, aux, len};
+  f.data = static_cast<const char*>(payload);
+  f.keep = std::move(keep);
+  std::vector<std::shared_ptr<SendState>> done;
+  {
+    Conn& c = *p.conns[0];
+    std::lock_guard<std::mutex> lock(c.mu);
+    const bool idle = c.out.empty();
+    c.out.push_back(std::move(f));
+    if (idle) flush_locked(c, done);
+    if (!c.out.empty() && !c.want_write) arm_write(c, true);
+  }
+  for (auto& d : done) d->req->complete(d->len, rank_);
+  if (!p.alive.load()) {  // the peer failed while we queued: nobody will answer
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(p.fail_mu);
+      why = p.failure;
+    }
+    fail_pending(peer, why);
+  }
+  return req;
+}
+
+RequestPtr TcpProvider::put(int peer, uint64_t region, size_t offset, const void* src, size_t len, uint64_t notify) {
+  return rma_submit(peer, kRmaPut, region, offset, 0, notify, src, len, nullptr, 0, nullptr, nullptr);
+}
+
+RequestPtr TcpProvider::get(int peer, uint64_t region, size_t offset, void* dst, size_t len) {
+  return rma_submit(peer, kRmaGet, region, offset, 0, len, nullptr, 0, static_cast<char*>(dst), len, nullptr, nullptr);
+}
+
+RequestPtr TcpProvider::accumulate(int peer, uint64_t region, size_t offset, const void* src, size_t len, DType t,
+                                   RedOp op) {
+  check_accumulate(t, op, "mk tcp accumulate");
+  return rma_submit(peer, kRmaAcc, region, offset, uint64_t(t) | (uint64_t(op) << 8), 0, src, len, nullptr, 0,
+                    nullptr, nullptr);
+}
+
+RequestPtr TcpProvider::atomic(int peer, uint64_t region, size_t offset, AmoOp op, int64_t a, int64_t b,
+                               std::shared_ptr<int64_t> result) {
+  auto operands = std::make_shared<std::array<int64_t, 2>>(std::array<int64_t, 2>{a, b});
+  const void* payload = operands->data();
+  return rma_submit(peer, kRmaAmo, region, offset, uint64_t(op), 0, payload, 16, nullptr, 0, std::move(result),
+                    std::move(operands));
+}
+
+bool TcpProvider::rma_begin(Conn& c) {
+  const WireHeader& h = c.hdr;
+  c.rma = true;
+  c.region.reset();
+  c.rma_error.clear();
+  c.reply.reset();
+  c.cur_dst = nullptr;
+  c.frag_left = h.length;
+  auto to_scratch = [&] {
+    c.scratch.resize(size_t(h.length));
+    c.cur_dst = c.scratch.data();
+  };
+  if (h.type == kRmaReply) {
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      auto it = pending_.find(h.seq);
+      if (it != pending_.end()) {
+        c.reply = std::move(it->second);
+        pending_.erase(it);
+      }
+    }
+    if (!c.reply || (h.tag == 0 && h.length != (c.reply->dst ? c.reply->dst_len : 0))) {
+      peer_failed(c.peer, cat("protocol error on the connection to peer ", c.peer, " (unexpected RMA reply)"));
+      return false;
+    }
+    if (h.tag == 0 && c.reply->dst) c.cur_dst = c.reply->dst;
+    else to_scratch();
+    return true;
+  }
+  if (h.type < kRmaPut || h.type > kRmaAmo || (h.type == kRmaAmo && h.length != 16) ||
+      (h.type == kRmaGet && h.length != 0)) {
+    peer_failed(c.peer, cat("protocol error on the connection to peer ", c.peer, " (bad RMA frame)"));
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(regions_mu_);
+    auto it = regions_.find(h.tag);
+    if (it != regions_.end()) c.region = it->second;
+  }
+  const uint64_t n = h.type == kRmaGet ? h.offset : h.type == kRmaAmo ? 8 : h.length;
+  if (!c.region)
+    c.rma_error = cat("rank ", rank_, " exposes no window #", h.tag, " (freed, or never created there)");
+  else if (h.total > c.region->bytes || n > c.region->bytes - h.total)
+    c.rma_error = cat("bytes [", h.total, ", ", h.total + n, ") are outside the ", c.region->bytes, " bytes rank ",
+                      rank_, " exposes in window #", h.tag);
+  if (h.type == kRmaPut && c.rma_error.empty()) c.cur_dst = c.region->base + h.total;
+  else to_scratch();
+  return true;
+}
+
+void TcpProvider::rma_end(Conn& c) {
+  const WireHeader h = c.hdr;
+  if (h.type == kRmaReply) {
+    std::unique_ptr<Pending> pend = std::move(c.reply);
+    if (h.tag == 0) {
+      if (pend->result) *pend->result = int64_t(h.total);
+      pend->req->complete(size_t(h.length), c.peer);
+    } else {
+      pend->req->fail(std::string(c.scratch.data(), size_t(h.length)));
+    }
+    return;
+  }
+  std::shared_ptr<RmaRegion> region = std::move(c.region);
+  std::string error = std::move(c.rma_error);
+  uint64_t value = 0;
+  if (error.empty()) {
+    char* at = region->base + h.total;
+    try {
+      switch (h.type) {
+        case kRmaPut:
+          // The payload was received straight into the region; the notification comes after it.
+          if (h.offset != kNoNotify && region->notify) region->notify(h.offset);
+          break;
+        case kRmaGet:
+          return rma_reply(c.peer, h.seq, 0, 0, at, size_t(h.offset), region);
+        case kRmaAcc: {
+          const DType t = DType(h.check & 0xff);
+          const RedOp op = RedOp((h.check >> 8) & 0xff);
+          const size_t es = dtype_size(t);
+          if (h.total % es || h.length % es) throw Error(cat("accumulate on bytes not aligned to ", dtype_name(t)));
+          atomic_accumulate(at, c.scratch.data(), size_t(h.length) / es, t, op);
+          break;
+        }
+        case kRmaAmo: {
+          if (h.total % 8) throw Error("fetch_add/compare_swap on an offset that is not 8-byte aligned");
+          int64_t ab[2];
+          std::memcpy(ab, c.scratch.data(), 16);
+          value = uint64_t(atomic_i64(at, AmoOp(h.check), ab[0], ab[1]));
+          break;
+        }
+      }
+    } catch (const std::exception& e) {
+      error = cat("rank ", rank_, ": ", e.what());
+    }
+  }
+  if (!error.empty()) {
+    auto msg = std::make_shared<std::string>(std::move(error));
+    return rma_reply(c.peer, h.seq, 1, 0, msg->data(), msg->size(), msg);
+  }
+  rma_reply(c.peer, h.seq, 0, value, nullptr, 0, nullptr);
+}
+
+void TcpProvider::rma_reply(int peer, uint64_t op, uint64_t status, uint64_t value, const char* data, size_t len,
+                            std::shared_ptr<void> keep) {
+  Peer& p = *peers_[peer];
+  Frame f;
+  f.hdr = WireHeader{kMagic, kVersion, kRmaReply, status, 0, op, value, 0, len};
+  f.data = data;
+  f.keep = std::move(keep);
+  std::vector<std::shared_ptr<SendState>> done;
+  {
+    Conn& c = *p.conns[0];
+    std::lock_guard<std::mutex> lock(c.mu);
+    const bool idle = c.out.empty();
+    c.out.push_back(std::move(f));
+    if (idle) flush_locked(c, done);
+    if (!c.out.empty() && !c.want_write) arm_write(c, true);
+  }
+  for (auto& d : done) d->req->complete(d->len, rank_);
+}
+
+void TcpProvider::fail_pending(int peer, const std::string& why) {
+  std::vector<std::unique_ptr<Pending>> failed;
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second->peer == peer) {
+        failed.push_back(std::move(it->second));
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& f : failed) f->req->fail(why);
 }
 
 }  // namespace mk

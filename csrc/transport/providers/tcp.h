@@ -3,6 +3,11 @@
 // it is closed and logged). Messages travel as versioned frames; large ones are striped over several
 // sockets per peer. One progress thread per provider (epoll) receives frames and finishes queued sends,
 // so transfers complete whatever the user's threads are doing.
+//
+// One-sided access (RMA): regions a window exposes are registered here by id; RMA frames (PUT, GET, ACC,
+// AMO, each answered by a REPLY that carries the data, the old value or an error) travel on a peer's first
+// socket, so one origin's operations reach a target in issue order, and the target's progress thread
+// executes them (with the atomics of atomics.h) whatever its user threads are doing.
 #pragma once
 #include <array>
 #include <atomic>
@@ -57,11 +62,32 @@ class TcpProvider final : public Provider {
   void abort(const std::string& why) override;
   bool peer_alive(int peer) const override;
 
+  void expose(uint64_t region, RmaRegion r) override;
+  void withdraw(uint64_t region) override;
+  RequestPtr put(int peer, uint64_t region, size_t offset, const void* src, size_t len, uint64_t notify) override;
+  RequestPtr get(int peer, uint64_t region, size_t offset, void* dst, size_t len) override;
+  RequestPtr accumulate(int peer, uint64_t region, size_t offset, const void* src, size_t len, DType t,
+                        RedOp op) override;
+  RequestPtr atomic(int peer, uint64_t region, size_t offset, AmoOp op, int64_t a, int64_t b,
+                    std::shared_ptr<int64_t> result) override;
+
  private:
   struct Frame;
   struct Conn;
   struct InMsg;
   struct Peer;
+  struct Pending;
+  // Origin side: queue one RMA frame on the peer's first socket; the request finishes with its REPLY.
+  RequestPtr rma_submit(int peer, uint16_t type, uint64_t region, uint64_t offset, uint64_t check, uint64_t aux,
+                        const void* payload, size_t len, char* dst, size_t dst_len, std::shared_ptr<int64_t> result,
+                        std::shared_ptr<void> keep);
+  // Progress thread: an RMA frame's header arrived (decide where its payload goes; false: protocol
+  // error, the peer was failed) / its payload is complete (execute, reply).
+  bool rma_begin(Conn& c);
+  void rma_end(Conn& c);
+  void rma_reply(int peer, uint64_t op, uint64_t status, uint64_t value, const char* data, size_t len,
+                 std::shared_ptr<void> keep);
+  void fail_pending(int peer, const std::string& why);
 
   void connect_peer(int peer, const std::string& addr, const Deadline& deadline);
   void accept_peers(TcpListener& listener, const std::vector<int>& from, const Deadline& deadline);
@@ -83,6 +109,11 @@ class TcpProvider final : public Provider {
   int epfd_ = -1;
   int wakefd_ = -1;
   std::vector<std::unique_ptr<Peer>> peers_;  // indexed by rank; null for non-tcp peers
+  std::mutex regions_mu_;
+  std::map<uint64_t, std::shared_ptr<RmaRegion>> regions_;
+  std::mutex pending_mu_;
+  std::map<uint64_t, std::unique_ptr<Pending>> pending_;  // by operation id
+  uint64_t next_op_ = 1;
   std::atomic<bool> stop_{false};
   std::thread progress_;
 };
