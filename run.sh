@@ -14,7 +14,8 @@ mkdir -p "$cache"
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
 debian_packages=(build-essential cmake ninja-build ccache python3-venv python3-dev
-                 libopenmpi-dev openmpi-bin iproute2 redis-server procps)
+                 libopenmpi-dev openmpi-bin iproute2 redis-server procps
+                 slurmd slurmctld slurm-client munge)  # a private one-node Slurm cluster for the srun tests
 ensure_debian() {
   command -v dpkg-query >/dev/null || return 0
   local missing=()

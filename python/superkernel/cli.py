@@ -5,13 +5,14 @@ import argparse
 import sys
 from typing import Callable
 
-from superkernel import install
+from superkernel import install, join
 from superkernel.probe import command as probe_command
 
 Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "install": ("install the Jupyter kernelspecs", install.add_arguments, install.run),
+    "join": ("start this host's ranks of a kernel's pool that spans hosts", join.add_arguments, join.run),
 }
 SUBCOMMANDS["probe"] = ("measure latency/bandwidth between ranks and detect RDMA/CXL/GPU links",
                         probe_command.add_arguments, probe_command.run)

@@ -22,8 +22,15 @@ FLAVORS = {
 
 
 def kernel_json(flavor: str, ranks: int | None, display_name: str, backend: str | None = None,
-                python: str | None = None) -> dict[str, Any]:
+                python: str | None = None, launcher_args: str | None = None,
+                bind: str | None = None, launcher: str | None = None) -> dict[str, Any]:
     env = {"SUPERKERNEL_FRONTEND": "1", "SUPERKERNEL_FLAVOR": flavor}
+    if launcher:
+        env["SUPERKERNEL_LAUNCHER"] = launcher
+    if launcher_args:
+        env["SUPERKERNEL_LAUNCHER_ARGS"] = launcher_args
+    if bind:
+        env["SUPERKERNEL_BIND"] = bind
     if ranks:
         env["SUPERKERNEL_RANKS"] = str(ranks)
     if backend:
@@ -39,7 +46,8 @@ def kernel_json(flavor: str, ranks: int | None, display_name: str, backend: str 
 
 
 def install(flavor: str = "torch", name: str | None = None, ranks: int | None = None, *, user: bool = False,
-            prefix: str | None = None, display_name: str | None = None, backend: str | None = None) -> str:
+            prefix: str | None = None, display_name: str | None = None, backend: str | None = None,
+            launcher_args: str | None = None, bind: str | None = None, launcher: str | None = None) -> str:
     """Write one kernelspec; returns the directory it was installed to."""
     if flavor not in FLAVORS:
         raise ValueError(f"unknown flavor {flavor!r} (torch|mpi)")
@@ -48,7 +56,9 @@ def install(flavor: str = "torch", name: str | None = None, ranks: int | None = 
     display = display_name or (default_display if ranks is None else f"{default_display}, {ranks} ranks")
     with tempfile.TemporaryDirectory() as td:
         with open(os.path.join(td, "kernel.json"), "w") as f:
-            json.dump(kernel_json(flavor, ranks, display, backend), f, indent=1)
+            json.dump(kernel_json(flavor, ranks, display, backend, launcher_args=launcher_args, bind=bind,
+                                  launcher=launcher), f,
+                      indent=1)
         return KernelSpecManager().install_kernel_spec(td, name, user=user, prefix=prefix)
 
 
@@ -59,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flavor", choices=sorted(FLAVORS) + ["both"], default="both",
                    help="torch (torchrun pool), mpi (mpirun pool) or both (default)")
     p.add_argument("--backend", default=None, help="torch.distributed backend for the ranks (default: mk, else gloo)")
+    p.add_argument("--launcher", choices=["torchrun", "srun"], default=None,
+                   help="how the torch flavour starts its ranks: torchrun (default) or srun (in or for a Slurm job)")
+    p.add_argument("--launcher-args", default=None,
+                   help="extra torchrun/mpirun arguments, e.g. \"--nnodes=2 --rdzv-backend=c10d "
+                        "--rdzv-endpoint=HOST:29400\" for a pool spanning hosts (then `superkernel join` on the others)")
+    p.add_argument("--bind", default=None,
+                   help="address the kernel's rank channels listen on (default 127.0.0.1; a pool spanning hosts "
+                        "needs one the other hosts reach)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="install for the current user")
     where.add_argument("--sys-prefix", action="store_true", help="install into sys.prefix (e.g. the virtualenv)")
@@ -73,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for flavor in flavors:
         path = install(flavor, args.name, args.ranks, user=args.user, prefix=prefix,
-                       display_name=args.display_name, backend=args.backend)
+                       display_name=args.display_name, backend=args.backend,
+                       launcher_args=args.launcher_args, bind=args.bind,
+                       launcher=args.launcher if flavor == "torch" else None)
         print(f"Installed kernelspec {os.path.basename(path)} ({flavor}) in {path}")
     return 0
 

@@ -9,7 +9,9 @@ The kernel process never imports torch. It owns
   feeds it events and ticks; merged output is published on IOPub from that thread as it arrives.
 
 Settings come from the environment the kernelspec sets: ``SUPERKERNEL_FLAVOR`` (torch|mpi|plain),
-``SUPERKERNEL_RANKS``, ``SUPERKERNEL_BACKEND``, ``SUPERKERNEL_LAUNCHER_ARGS``, ``SUPERKERNEL_BIND``,
+``SUPERKERNEL_RANKS`` (ranks per host), ``SUPERKERNEL_BACKEND``, ``SUPERKERNEL_LAUNCHER_ARGS``,
+``SUPERKERNEL_BIND`` (a reachable address for a pool spanning hosts, see :mod:`superkernel.join`),
+``SUPERKERNEL_JOIN_FILE``, ``SUPERKERNEL_START_TIMEOUT``, ``SUPERKERNEL_LAUNCHER`` (torchrun | srun),
 ``SUPERKERNEL_INTERRUPT_GRACE`` (seconds a rank gets to honour an interrupt before SIGTERM/SIGKILL).
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ from ipykernel.ipkernel import IPythonKernel
 
 from superkernel import __version__
 from superkernel.magics import front_side
-from superkernel.merge import ErrorInfo, StreamMerger, format_ranks, group_errors, merge_results, render_lines
+from superkernel.merge import (ErrorInfo, StreamMerger, display_token, format_ranks, group_errors, merge_results,
+                              render_lines, split_displays)
 from superkernel.pool import Death, Pool, PoolSpec, PoolStartError, default_nranks
 from superkernel.protocol import Event
 
@@ -53,6 +56,7 @@ class CellRun:
     deaths: list[Death] = field(default_factory=list)
     progress_ids: dict[tuple[str, int], str] = field(default_factory=dict)
     last_set: dict[str, tuple[int, ...]] = field(default_factory=dict)  # rank set of the last line, per stream
+    displays: dict[str, dict[str, Any]] = field(default_factory=dict)  # DisplayToken -> display_data content
     cleared: bool = False
     finished: bool = False
     interrupted_at: float | None = None
@@ -81,6 +85,9 @@ class SuperKernel(IPythonKernel):
             backend=env.get("SUPERKERNEL_BACKEND") or None,
             launcher_args=shlex.split(env.get("SUPERKERNEL_LAUNCHER_ARGS", "")),
             bind_ip=env.get("SUPERKERNEL_BIND", "127.0.0.1"),
+            start_timeout=float(env.get("SUPERKERNEL_START_TIMEOUT", "180")),
+            join_file=env.get("SUPERKERNEL_JOIN_FILE") or None,
+            launcher=env.get("SUPERKERNEL_LAUNCHER") or None,
         )
         self.output_mode = env.get("SUPERKERNEL_OUTPUT", "collapse")
         self.max_lines = int(env.get("SUPERKERNEL_MAX_LINES", "1000"))
@@ -154,6 +161,10 @@ class SuperKernel(IPythonKernel):
             return pool
         from tqdm import tqdm
 
+        if pool.join_file:
+            self._send("stream", {"name": "stderr", "text": (
+                f"this pool spans hosts: on each other host run `superkernel join {pool.join_file}` (copy the "
+                "file there first; it holds the pool's key: keep it private)\n")}, parent)
         display_id = uuid.uuid4().hex
         writer = _DisplayWriter(self, parent, display_id)
         bar = tqdm(total=pool.world_size, desc=f"starting {self.flavor} pool", unit="rank", file=writer,
@@ -191,10 +202,18 @@ class SuperKernel(IPythonKernel):
                 self._publish_ready(cell)
             elif kind == "execute_result":
                 cell.results[ev.rank] = content.get("data", {})
+            elif kind == "display_data" and not (content.get("transient") or {}).get("display_id"):
+                # through the stdout merger: identical displays of several ranks collapse into one, and
+                # each stays in its place among the rank's printed lines
+                token = display_token(content)
+                cell.displays.setdefault(token, content)
+                cell.mergers.setdefault("stdout", self._new_merger(cell.ranks)).add_item(
+                    ev.rank, token, time.monotonic())
+                self._publish_ready(cell)
             elif kind in ("display_data", "update_display_data"):
                 self._publish_ready(cell, final=False, hold=False)
                 meta = dict(content.get("metadata") or {})
-                meta["superkernel"] = {"rank": ev.rank}
+                meta["superkernel"] = {"rank": ev.rank, "ranks": [ev.rank]}
                 out = dict(content, metadata=meta)
                 self._send(kind, out, cell.parent)
             elif kind == "clear_output":
@@ -252,13 +271,20 @@ class SuperKernel(IPythonKernel):
                     kind = "update_display_data"
                 self._send(kind, {"data": {"text/plain": text}, "metadata": {},
                                   "transient": {"display_id": cell.progress_ids[key]}}, cell.parent)
-            groups = merger.take(now, final=final)
-            if groups:
-                for rs, line in groups:
+            for kind, run in split_displays(merger.take(now, final=final)):
+                if kind == "display":
+                    rs, token = run[0]
+                    content = cell.displays[token]
+                    meta = dict(content.get("metadata") or {})
+                    meta["superkernel"] = {"rank": rs[0], "ranks": list(rs)}
+                    self._send("display_data", dict(content, metadata=meta), cell.parent)
+                    cell.last_set.pop(name, None)  # the next line is labelled again
+                    continue
+                for rs, line in run:
                     for r in rs:
                         self._last_lines[r].append(line)
-                text = render_lines(groups, label=cell.label, after=cell.last_set.get(name))
-                cell.last_set[name] = tuple(groups[-1][0])
+                text = render_lines(run, label=cell.label, after=cell.last_set.get(name))
+                cell.last_set[name] = tuple(run[-1][0])
                 self._send("stream", {"name": name, "text": text}, cell.parent)
 
     # -------------------------------------------------------------------------------------- execution

@@ -11,9 +11,15 @@ and gets back what to publish. Conventions:
   kernel shows it through an updatable display (see :class:`ProgressUpdate`).
 * A per-rank line cap keeps 64 ranks x 10k lines usable; the rest is summarised as
   ``… N more lines from rank k``.
+* Rich output (``display_data``) travels through the stdout merger as a :class:`DisplayToken`, a
+  "line" that stands for the display: identical displays from several ranks collapse exactly like
+  identical lines (one image labelled with its rank set instead of one per rank), and each rank's
+  displays keep their place among its printed lines.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -26,6 +32,9 @@ __all__ = [
     "LineSplitter",
     "ProgressUpdate",
     "StreamMerger",
+    "DisplayToken",
+    "display_token",
+    "split_displays",
     "merge_results",
     "group_errors",
     "ErrorInfo",
@@ -196,6 +205,18 @@ class StreamMerger:
             q.progress = prog
             self._progress_updates.append(ProgressUpdate(rank, prog))
 
+    def add_item(self, rank: int, item: str, now: float) -> None:
+        """Queue ``item`` (a :class:`DisplayToken`) as one whole line of ``rank``, after whatever the rank
+        printed before it (an unfinished line is ended first, as a terminal would show it)."""
+        q = self._q.setdefault(rank, _RankQueue())
+        if q.progress is not None:
+            self._progress_updates.append(ProgressUpdate(rank, q.splitter.pending(), done=True))
+            q.progress = None
+            q.splitter.flush()
+        for line in q.splitter.flush():
+            self._append(rank, q, line, now)
+        self._append(rank, q, item, now)
+
     def _append(self, rank: int, q: _RankQueue, line: str, now: float) -> None:
         if self.max_lines and q.emitted + len(q.lines) >= self.max_lines:
             q.dropped += 1
@@ -286,6 +307,36 @@ class StreamMerger:
             (tuple(rs), f"… {n} more lines from {format_ranks(rs)} (cap {self.max_lines} lines per rank; %output --max-lines)")
             for n, rs in by_count.items()
         ]
+
+
+class DisplayToken(str):
+    """A ``display_data`` message standing in a :class:`StreamMerger` queue as one line.
+
+    Its text is a digest of the message's ``data`` and ``metadata`` (so equal displays compare equal,
+    collapse, and never equal a printed line); the kernel keeps the message itself, keyed by the token."""
+
+    __slots__ = ()
+
+
+def display_token(content: Mapping[str, object]) -> DisplayToken:
+    payload = json.dumps({"data": content.get("data") or {}, "metadata": content.get("metadata") or {}},
+                         sort_keys=True, default=str)
+    return DisplayToken("\x00display " + hashlib.sha256(payload.encode()).hexdigest())
+
+
+def split_displays(
+    groups: Sequence[tuple[tuple[int, ...], str]],
+) -> list[tuple[str, list[tuple[tuple[int, ...], str]]]]:
+    """Cut merged output into runs, in order: ``("text", groups)`` to render as stream text and
+    ``("display", [(ranks, token)])`` for one display shown for that rank set."""
+    runs: list[tuple[str, list[tuple[tuple[int, ...], str]]]] = []
+    for rs, line in groups:
+        kind = "display" if isinstance(line, DisplayToken) else "text"
+        if kind == "text" and runs and runs[-1][0] == "text":
+            runs[-1][1].append((rs, line))
+        else:
+            runs.append((kind, [(rs, line)]))
+    return runs
 
 
 def render_lines(groups: Sequence[tuple[Sequence[int], str]], *, label: bool = True,

@@ -36,12 +36,14 @@ from typing import Any, Callable, Protocol
 
 import psutil
 
+from superkernel.join import JoinSpec, spans_hosts
 from superkernel.protocol import SYNC, Event, KernelChannels
 
 log = logging.getLogger("superkernel.pool")
 
 HEARTBEAT_TIMEOUT = 10.0
 TICK = 0.025
+PING_INTERVAL = 1.0  # the kernel's "I am alive" to ranks on other hosts (they cannot watch its pid)
 
 
 @dataclass
@@ -52,10 +54,28 @@ class PoolSpec:
     launcher_args: list[str] = field(default_factory=list)  # extra torchrun/mpirun arguments
     bind_ip: str = "127.0.0.1"
     start_timeout: float = 180.0
+    join_file: str | None = None     # where a pool spanning hosts writes its join file (default: runtime dir)
+    launcher: str | None = None      # torch flavour: torchrun (default) or srun (Slurm)
 
     @property
     def local(self) -> bool:
         return self.bind_ip.startswith("127.")
+
+    @property
+    def multi_host(self) -> bool:
+        return self.flavor == "torch" and self.launcher != "srun" and spans_hosts(self.launcher_args)
+
+    def world_size_guess(self) -> int:
+        """The world size before the first rank reports it: nproc × nnodes when --nnodes is a number."""
+        if not self.multi_host:
+            return self.nranks
+        for i, a in enumerate(self.launcher_args):
+            name, _, value = a.partition("=")
+            if name == "--nnodes":
+                value = value or (self.launcher_args[i + 1] if i + 1 < len(self.launcher_args) else "")
+                if value.isdigit():
+                    return self.nranks * int(value)
+        return self.nranks
 
 
 @dataclass
@@ -112,6 +132,7 @@ class PoolStartError(RuntimeError):
 _TORCHRUN_FAIL = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _TORCHRUN_SIGNAL = re.compile(r"Signal (\d+) \(\w+\) received by PID (\d+)")
 _MPI_SIGNAL = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited on\s+signal (\d+)")
+_SRUN_FAIL = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (Killed|Terminated|Exited with exit code (\d+))")
 _MPI_EXIT = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited .*?status (\d+)", re.S)
 
 
@@ -123,7 +144,7 @@ class Pool:
         self.ranks: dict[int, RankInfo] = {}
         self.dead: dict[int, Death] = {}
         self.ready = threading.Event()
-        self.expected = spec.nranks    # the world size the ranks report (differs on several hosts)
+        self.expected = spec.world_size_guess()  # until the ranks report the world size themselves
         self.failed: str | None = None
         self.started_at = 0.0
         self.ready_at = 0.0
@@ -139,6 +160,8 @@ class Pool:
         self._conn_file = os.path.join(self._dir, "connection.json")
         self.channels.info.write(self._conn_file)
         self._thread = threading.Thread(target=self._dispatch_loop, name="superkernel-pool", daemon=True)
+        self.join_file: str | None = None  # written by start() when the pool spans hosts
+        self._host = hostname()
 
     # ------------------------------------------------------------------------------------------- start
     def worker_command(self) -> list[str]:
@@ -147,10 +170,20 @@ class Pool:
 
     def launch_commands(self) -> list[list[str]]:
         n = self.spec.nranks
+        if self.spec.flavor == "torch" and self.spec.launcher == "srun":
+            srun = shutil.which("srun")
+            if srun is None:
+                raise PoolStartError("the srun launcher needs Slurm's srun on PATH (Debian: slurm-client)")
+            # one job step of n tasks; Slurm numbers them (SLURM_PROCID = rank) and, with --kill-on-bad-exit,
+            # ends the whole step when one rank dies, as torchrun does
+            return [[srun, f"--ntasks={n}", "--kill-on-bad-exit=1", "--job-name=superkernel",
+                     *self.spec.launcher_args, *self.worker_command()]]
+        if self.spec.launcher not in (None, "torchrun", "mpirun"):
+            raise PoolStartError(f"unknown launcher {self.spec.launcher!r} for the {self.spec.flavor} flavour "
+                                 "(torch: torchrun or srun; mpi: mpirun)")
         if self.spec.flavor == "torch":
             extra = self.spec.launcher_args
-            multi = any(a.split("=")[0] in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint") for a in extra)
-            rdzv = [] if multi else ["--standalone"]   # several hosts: the user's --nnodes/--rdzv-endpoint
+            rdzv = [] if self.spec.multi_host else ["--standalone"]  # several hosts: the user's rendezvous
             return [[sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={n}",
                      "--monitor-interval=0.1", *extra, "-m", "superkernel.worker",
                      "--connection-file", self._conn_file, "--flavor", "torch"]]
@@ -175,9 +208,14 @@ class Pool:
         for k in ("PYTEST_CURRENT_TEST", "JPY_PARENT_PID", "MPLBACKEND"):
             env.pop(k, None)
         env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+        if self.spec.launcher == "srun":
+            env["MASTER_PORT"] = str(_free_port())  # rank 0's node hosts the store (see worker.rendezvous_env)
+            env.pop("MASTER_ADDR", None)
         if self.spec.flavor == "mpi" and os.geteuid() == 0:
             env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
         self.started_at = time.monotonic()
+        if self.spec.multi_host:
+            self._write_join_file()
         for i, cmd in enumerate(self.launch_commands()):
             penv = env
             if self.spec.flavor == "plain":
@@ -193,6 +231,22 @@ class Pool:
                              name=f"superkernel-launcher-{proc.pid}").start()
         if not self._thread.is_alive():
             self._thread.start()
+
+    def _write_join_file(self) -> None:
+        if self.spec.local:
+            raise PoolStartError(
+                "this pool spans several hosts (SUPERKERNEL_LAUNCHER_ARGS has --nnodes/--rdzv-endpoint) but the "
+                "kernel listens on loopback only: set SUPERKERNEL_BIND to this host's address that the other "
+                "hosts can reach")
+        path = self.spec.join_file
+        if not path:
+            from jupyter_core.paths import jupyter_runtime_dir
+
+            os.makedirs(jupyter_runtime_dir(), exist_ok=True)
+            path = os.path.join(jupyter_runtime_dir(), f"superkernel-join-{self.channels.pool_id}.json")
+        JoinSpec(self.channels.info, list(self.spec.launcher_args), self.spec.nranks, self.spec.backend).write(path)
+        self.join_file = path
+        log.info("pool spans hosts: on every other host run `superkernel join %s`", path)
 
     def wait_ready(self, timeout: float | None = None,
                    progress: Callable[[int, int], None] | None = None,
@@ -253,7 +307,7 @@ class Pool:
     def signal_ranks(self, ranks: list[int], sig: int) -> None:
         for r in ranks:
             info = self.ranks.get(r)
-            if info is None or not self.spec.local:
+            if info is None or not self.is_here(info):
                 continue
             try:
                 os.kill(info.pid, sig)
@@ -279,9 +333,17 @@ class Pool:
                 self._rank_exit_codes[int(m.group(1))] = -int(m.group(3))
                 if self._root_cause_pid is None:
                     self._root_cause_pid = -1 - int(m.group(1))  # marks the rank, see _known_code
+            m = _SRUN_FAIL.search(line)
+            if m:
+                how = m.group(2)
+                code = int(m.group(3)) if m.group(3) else (-signal.SIGKILL if how == "Killed" else -signal.SIGTERM)
+                for rank in _expand_ranks(m.group(1)):
+                    self._rank_exit_codes.setdefault(rank, code)
+                    if self._root_cause_pid is None and how != "Terminated":
+                        self._root_cause_pid = -1 - rank
 
     def _dispatch_loop(self) -> None:
-        next_check = 0.0
+        next_check = next_ping = 0.0
         while not self._stop.is_set():
             try:
                 ev = self.channels.recv(TICK)
@@ -293,6 +355,9 @@ class Pool:
                     return
                 log.exception("pool dispatcher: receiving failed")
             now = time.monotonic()
+            if self.spec.multi_host and now >= next_ping:
+                next_ping = now + PING_INTERVAL
+                self._ping_remote()
             if now >= next_check:
                 next_check = now + 0.1
                 try:
@@ -342,7 +407,7 @@ class Pool:
         for r, info in self.ranks.items():
             if r in self.dead:
                 continue
-            if self.spec.local:
+            if self.is_here(info):
                 if not _pid_alive(info.pid):
                     gone.append(info)
             elif now - info.last_beat > HEARTBEAT_TIMEOUT:
@@ -360,13 +425,26 @@ class Pool:
         deaths = []
         for g in gone:
             code = self._known_code(g)
-            detail = "" if code is not None or self.spec.local else f"no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s"
+            detail = "" if code is not None or self.is_here(g) else f"no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s"
             root = self._root_cause_pid in (g.pid, -1 - g.rank)
             d = Death(g.rank, g.pid, g.host, code, detail, root_cause=root)
             self.dead[g.rank] = d
             deaths.append(d)
         deaths.sort(key=lambda d: d.order)
         self.listener.on_death(deaths)
+
+    def is_here(self, info: RankInfo) -> bool:
+        """Does this rank run on the kernel's host (so its pid can be watched and signalled)?"""
+        return self.spec.local or info.host == self._host
+
+    def _ping_remote(self) -> None:
+        for r, info in list(self.ranks.items()):
+            if r in self.dead or self.is_here(info):
+                continue
+            try:
+                self.channels.send(r, "ping", {}, timeout=0)
+            except Exception:
+                pass  # not connected (yet, or any more): its heartbeat decides
 
     def _known_code(self, info: RankInfo) -> int | None:
         code = self._exit_codes.get(info.pid)
@@ -393,7 +471,7 @@ class Pool:
                 pass
         pids = {p.pid for p in procs}
         for info in self.ranks.values():
-            if info.pid not in pids and self.spec.local:
+            if info.pid not in pids and self.is_here(info):
                 try:
                     procs.append(psutil.Process(info.pid))
                 except psutil.NoSuchProcess:
@@ -435,6 +513,11 @@ class Pool:
             self._thread.join(timeout=2)
         self.channels.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.join_file:  # it holds the pool's key, which dies with the pool
+            try:
+                os.unlink(self.join_file)
+            except OSError:
+                pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -461,6 +544,21 @@ def default_nranks() -> int:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _expand_ranks(spec: str) -> list[int]:
+    """Slurm's task list ``0-2,5`` -> [0, 1, 2, 5]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def hostname() -> str:

@@ -67,7 +67,7 @@ def make_session(key: str, username: str) -> Session:
     return Session(key=key.encode(), signature_scheme=SIGNATURE_SCHEME, username=username)
 
 
-CONTROL_TYPES = frozenset({"interrupt_request", "shutdown_request"})
+CONTROL_TYPES = frozenset({"interrupt_request", "shutdown_request", "ping"})
 
 
 def rank_identity(rank: int, control: bool = False) -> bytes:

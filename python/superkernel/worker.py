@@ -31,6 +31,9 @@ from superkernel.protocol import ConnectionInfo, WorkerChannels
 log = logging.getLogger("superkernel.worker")
 
 HEARTBEAT_INTERVAL = 0.5
+# A rank on another host than the kernel cannot watch the kernel's pid; it exits when the kernel's pings
+# (every second) stop for this long.
+KERNEL_SILENCE = float(os.environ.get("SUPERKERNEL_KERNEL_SILENCE", "30"))
 STREAM_FLUSH_INTERVAL = 0.03
 
 
@@ -49,6 +52,24 @@ def rank_environment(flavor: str) -> tuple[int, int, int]:
         if r in env and w in env:
             return int(env[r]), int(env[w]), int(env.get(lr, env[r]))
     return 0, 1, 0
+
+
+def rendezvous_env() -> None:
+    """Under srun there is no torchrun to set MASTER_ADDR: rank 0 runs on the first node of the job step
+    (Slurm's block distribution), which hosts torch's TCPStore. The kernel chose MASTER_PORT."""
+    env = os.environ
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if "MASTER_ADDR" in env or not nodes or "SLURM_PROCID" not in env:
+        return
+    import subprocess
+
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30)
+        first = out.stdout.split()[0] if out.returncode == 0 and out.stdout.split() else nodes.split(",")[0]
+    except (OSError, subprocess.TimeoutExpired):
+        first = nodes.split(",")[0]
+    env["MASTER_ADDR"] = first
+    env.setdefault("MASTER_PORT", "29500")
 
 
 def choose_backend() -> tuple[str, str]:
@@ -89,6 +110,7 @@ def init_torch(rank: int, world_size: int, local_rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     backend, why = choose_backend()
+    rendezvous_env()
     timeout = timedelta(seconds=float(os.environ.get("SUPERKERNEL_DIST_TIMEOUT", "1800")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     if torch.cuda.is_available():
@@ -148,6 +170,7 @@ class Worker:
         self.channels = WorkerChannels(info, self.rank)
         self.session = self.channels.session
         self.busy = threading.Event()
+        self._kernel_heard = time.monotonic()
         self.stopping = threading.Event()
         self._main_ident = threading.get_ident()
         self._start_io()
@@ -214,18 +237,24 @@ class Worker:
     # -- control thread --
     def control_loop(self) -> None:
         last_beat = 0.0
+        self._kernel_heard = time.monotonic()
         while not self.stopping.is_set():
             msg = self.channels.recv_request(timeout=0.1, control=True)
             now = time.monotonic()
+            if msg is not None:
+                self._kernel_heard = now
             if now - last_beat > HEARTBEAT_INTERVAL:
                 last_beat = now
                 self.send("heartbeat", {"busy": self.busy.is_set()})
                 if not self._kernel_alive():
-                    log.error("rank %d: kernel process %d is gone; exiting", self.rank, self.info.kernel_pid)
+                    log.error("rank %d: kernel process %d on %s is gone; exiting", self.rank, self.info.kernel_pid,
+                              self.info.kernel_host)
                     os._exit(3)
             if msg is None:
                 continue
             kind = msg["header"]["msg_type"]
+            if kind == "ping":
+                continue
             if kind == "interrupt_request":
                 self.interrupt()
             elif kind == "shutdown_request":
@@ -249,7 +278,7 @@ class Worker:
     def _kernel_alive(self) -> bool:
         """False once the kernel process is gone (or a zombie nobody has reaped yet)."""
         if self.info.kernel_host != socket.gethostname():
-            return True
+            return time.monotonic() - self._kernel_heard < KERNEL_SILENCE
         try:
             os.kill(self.info.kernel_pid, 0)
         except ProcessLookupError:

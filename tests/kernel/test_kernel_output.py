@@ -99,10 +99,24 @@ def test_rich_output_forwarded_with_rank(kernel2):
     assert {d["data"]["text/html"] for d in shown} == {"<b>0</b>", "<b>1</b>"}
 
 
+def test_identical_rich_output_collapses_and_keeps_its_place(kernel2):
+    r = kernel2.ok("from IPython.display import HTML, display\nprint('before')\ndisplay(HTML('<i>same</i>'))\n"
+                   "print('after')")
+    shown = r.of_type("display_data")
+    assert len(shown) == 1 and shown[0]["metadata"]["superkernel"]["ranks"] == [0, 1]
+    order = [(m["msg_type"], m["content"].get("text", "")) for m in r.msgs
+             if m["msg_type"] in ("stream", "display_data")]
+    text_before = "".join(t for _, t in order[:[k for k, _ in order].index("display_data")])
+    assert "before" in text_before and "after" not in text_before
+
+
 def test_matplotlib_inline_png(kernel2):
     r = kernel2.ok("%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([0, rank]); plt.show()")
     pngs = [d for d in r.of_type("display_data") if "image/png" in d["data"]]
-    assert len(pngs) == 2
+    assert len(pngs) == 2  # different plots: one per rank
+    r = kernel2.ok("plt.plot([0, 1]); plt.show()")
+    pngs = [d for d in r.of_type("display_data") if "image/png" in d["data"]]
+    assert len(pngs) == 1 and pngs[0]["metadata"]["superkernel"]["ranks"] == [0, 1]  # the same plot: once
 
 
 def test_progress_lines_update_in_place(kernel2):

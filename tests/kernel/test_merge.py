@@ -8,11 +8,13 @@ from superkernel.merge import (
     LineSplitter,
     ProgressUpdate,
     StreamMerger,
+    display_token,
     format_ranks,
     group_errors,
     merge_results,
     parse_ranks,
     render_lines,
+    split_displays,
 )
 
 
@@ -60,6 +62,32 @@ def test_identical_lines_collapse_and_order_is_kept():
     text = render_lines(out)
     assert text.splitlines()[0] == "[ranks 0-3] hello"
     assert "[rank 2] I am 2" in text
+
+
+def test_identical_displays_collapse_in_place_among_lines():
+    png = {"data": {"image/png": "iVBOR..."}, "metadata": {}}
+    other = {"data": {"image/png": "iVBOR-other"}, "metadata": {}}
+    m = StreamMerger([0, 1, 2])
+    for r in range(3):
+        m.add(r, "before\n", now=0.0)
+        m.add_item(r, display_token(other if r == 2 else png), now=0.0)
+        m.add(r, "after\n", now=0.0)
+        m.finish(r)
+    runs = split_displays(m.take(now=10.0, final=True))
+    assert [kind for kind, _ in runs] == ["text", "display", "display", "text"]
+    assert runs[0][1] == [((0, 1, 2), "before")]
+    assert runs[1][1] == [((0, 1), display_token(png))]
+    assert runs[2][1] == [((2,), display_token(other))]
+    assert runs[3][1] == [((0, 1, 2), "after")]
+    assert display_token(png) != display_token(other) and display_token(png) != "before"
+
+
+def test_display_ends_an_unfinished_line_first():
+    m = StreamMerger([0])
+    m.add(0, "no newline yet", now=0.0)
+    m.add_item(0, display_token({"data": {"text/html": "<b>x</b>"}}), now=0.0)
+    out = m.take(now=10.0, final=True)
+    assert [line for _, line in out][0] == "no newline yet" and len(out) == 2
 
 
 def test_render_labels_a_run_once():
