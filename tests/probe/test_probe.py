@@ -83,6 +83,7 @@ def test_cli_verdict_and_hardware(shm_run) -> None:
     m = re.search(r"intra-host: shared memory, ([\d.]+) GB/s, ([\d.]+) µs", verdict)
     assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, verdict
     assert "inter-host: not measured (all ranks on 1 host)" in verdict
+    assert "# hardware: 1 host(s), 2 rank(s), backend mk, launcher torchrun" in text
     rdma_here = os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")
     if rdma_here:
         assert "RDMA: present" in verdict
@@ -209,7 +210,7 @@ def test_probe_between_two_hosts(tmp_path: Path) -> None:
                                 nproc_per_host=2, timeout=240, env={"SUPERKERNEL_FRONTEND": "0"})
     out = results[0].stdout
     assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-2000:] + r.stderr[-3000:] for r in results)
-    assert "# hardware: 2 host(s), 4 rank(s), backend mk" in out, out
+    assert "# hardware: 2 host(s), 4 rank(s), backend mk, launcher torchrun" in out, out
     assert re.search(r"intra-host: shared memory, [\d.]+ GB/s, [\d.]+ µs", out), out
     assert re.search(r"inter-host: TCP, [\d.]+ GB/s, [\d.]+ µs", out), out
     doc = json.loads(report.read_text())
@@ -228,3 +229,48 @@ def test_front_end_modules_do_not_import_torch() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "torch" not in out.stdout, out.stdout
+
+
+def test_probe_inside_an_srun_step(tmp_path: Path) -> None:
+    """``srun -n 2 python -m superkernel.probe`` on a private one-node Slurm cluster: the ranks find each
+    other from Slurm's environment (SLURM_PROCID/SLURM_NTASKS, MASTER_ADDR = the step's first node)."""
+    from tests.kernel.slurm_cluster import SlurmCluster, _which, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no Slurm here: {reason}")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with SlurmCluster() as cluster:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("SUPERKERNEL_FRONTEND", "RANK", "WORLD_SIZE", "MASTER_ADDR")}
+        env.update(cluster.env, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        out = subprocess.run([_which("srun"), "--ntasks=2", "--kill-on-bad-exit=1", sys.executable, "-m",
+                              "superkernel.probe", "--quick", "--time", "0.005", "--no-tables", "--plot", ""],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "# hardware: 1 host(s), 2 rank(s), backend mk, launcher srun" in out.stdout
+    assert re.search(r"intra-host: shared memory, [\d.]+ GB/s, [\d.]+ µs", out.stdout), out.stdout
+
+
+def test_probe_inside_an_mpirun_job(tmp_path: Path) -> None:
+    """``mpirun -np 2 python -m superkernel.probe``: rank, size and the TCPStore address come from Open MPI."""
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("no mpirun (Debian: openmpi-bin)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SUPERKERNEL_FRONTEND", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable, "-m",
+                          "superkernel.probe", "--quick", "--max-bytes", "4K", "--time", "0.005", "--no-one-sided",
+                          "--plot", ""], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "# hardware: 1 host(s), 2 rank(s), backend mk, launcher mpirun" in out.stdout
+    sizes = [s for s, _ in osu_blocks(out.stdout)[
+        "OSU MPI Latency Test (osu_latency method) | intra-host shared memory (rank 0 <-> 1)"]]
+    assert sizes == [1, 4, 16, 64, 256, 1024, 4096]

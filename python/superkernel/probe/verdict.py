@@ -39,7 +39,8 @@ def micro(us: float) -> str:
 
 
 def format_hardware(report: ProbeReport) -> str:
-    lines = [f"# hardware: {len(report.hosts)} host(s), {report.world_size} rank(s), backend {report.backend}"]
+    lines = [f"# hardware: {len(report.hosts)} host(s), {report.world_size} rank(s), backend {report.backend}, "
+             f"launcher {report.launcher}"]
     for h in report.hosts:
         ranks = report.ranks_per_host.get(h.host, [])
         lines.append(f"{h.host}: ranks {_ranks(ranks)} ({len(ranks)} on this host), {h.cpus} CPUs, "
