@@ -395,6 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time", type=float, default=0.1, help="seconds of timed calls per one-sided point")
     p.add_argument("--store-iters", type=int, default=20, help="max repetitions per store size")
     p.add_argument("--store-bytes", type=float, default=2e9, help="bytes moved per store size and op, at most")
+    p.add_argument("--store-server", choices=["process", "rank0"], default="process",
+                   help="who serves torch's TCPStore: a helper process (as torchrun's agent does; default) "
+                        "or a thread of rank 0 (plain env:// initialisation)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: mk,mpi,store")
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--tag", default="")
@@ -416,7 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rank, n = launch.rank, launch.world_size
     skip = set(filter(None, args.skip.split(",")))
-    dist.init_process_group("mk", timeout=_dt.timedelta(seconds=600))
+    store_server = None
+    if args.store_server == "process" and n > 1:
+        # as under torchrun (whose agent process serves torch's TCPStore), serve it from a process of its own
+        # instead of a thread of rank 0: the TensorStore's records live there
+        store_server, store = _tcpstore_in_process(rank, n)
+        dist.init_process_group("mk", store=store, rank=rank, world_size=n, timeout=_dt.timedelta(seconds=600))
+    else:
+        dist.init_process_group("mk", timeout=_dt.timedelta(seconds=600))
     route = transports()[1] if n > 1 else "self"
     memcpy = None
     if rank == 0:
@@ -471,7 +481,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# plot failed: {type(e).__name__}: {e}")
     dist.barrier()
     dist.destroy_process_group()
+    if store_server is not None:
+        store_server.terminate()
+        store_server.wait(10)
     return 0
+
+
+def _tcpstore_in_process(rank: int, n: int) -> tuple[Any, Any]:
+    """Rank 0 starts a helper process serving a TCPStore on MASTER_ADDR:MASTER_PORT; every rank connects."""
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    proc = None
+    if rank == 0:
+        code = ("import sys, time, datetime, torch.distributed as d; "
+                f"s = d.TCPStore({addr!r}, {port}, {n}, True, timeout=datetime.timedelta(seconds=900), "
+                "wait_for_workers=False); sys.stdin.read()")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    store = dist.TCPStore(addr, port, n, False, timeout=_dt.timedelta(seconds=600))
+    return proc, store
 
 
 if __name__ == "__main__":
