@@ -1,4 +1,5 @@
-"""``%memory``: the pool's TensorStores as a table (per rank: capacity, used, free, objects), printed by rank 0.
+"""``%memory``: the pool's TensorStores as tables (per rank: capacity, used, free, objects), each printed by
+the store's group rank 0.
 
 Reading another rank's allocator header is one-sided, so rank 0 builds the whole table alone; the other
 ranks print nothing and do not need to take part.
@@ -36,25 +37,30 @@ def format_usage(name: str, rows: list[Any], hosts: list[str] | None = None) -> 
 class MemoryMagics(Magics):
     @line_magic
     def memory(self, line: str) -> None:
-        """Per-rank capacity, used bytes and number of objects of every live TensorStore (rank 0 prints)."""
+        """Per-rank capacity, used bytes and number of objects of every live TensorStore (printed by the
+        store's group rank 0: global rank 0 for stores over the whole pool)."""
         ns = self.shell.user_ns
-        if ns.get("rank", 0) != 0:
-            return
         try:
             from superkernel.memory.tensor_store import live_stores
         except Exception as e:  # noqa: BLE001 - e.g. the MPI flavour without torch
-            print(f"%memory: TensorStore unavailable here ({type(e).__name__}: {e})")
+            if ns.get("rank", 0) == 0:
+                print(f"%memory: TensorStore unavailable here ({type(e).__name__}: {e})")
             return
         stores = live_stores()
-        if not stores:
+        mine = [s for s in stores if s.rank == 0]
+        if not stores and ns.get("rank", 0) == 0:
             print("%memory: no TensorStore in this pool (create one on every rank: "
                   "store = superkernel.memory.TensorStore(capacity_per_rank='256MiB'))")
             return
-        hosts = None
-        try:
-            from superkernel.backend import peer_hosts
+        tables = []
+        for s in mine:
+            hosts = None
+            try:
+                from superkernel.backend import peer_hosts
 
-            hosts = peer_hosts(stores[0].group)
-        except Exception:  # noqa: BLE001 - not an mk group: no host column
-            pass
-        print("\n\n".join(format_usage(s.name, s.stats(), hosts) for s in stores))
+                hosts = peer_hosts(s.group)
+            except Exception:  # noqa: BLE001 - not an mk group: no host column
+                pass
+            tables.append(format_usage(f"{s.name} ({s.world_size} ranks)", s.stats(), hosts))
+        if tables:
+            print("\n\n".join(tables))
