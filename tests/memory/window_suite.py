@@ -431,6 +431,7 @@ def die() -> None:
         check("die", False, "operations on a dead rank succeeded")
     except PeerError as e:
         check("die", "rank 1" in str(e) or "peer 1" in str(e), f"PeerError does not name the dead rank: {e}")
+        timings["die_message"] = str(e)
     except Exception as e:  # noqa: BLE001
         check("die", False, f"expected PeerError, got {type(e).__name__}: {e}")
     check("die", time.monotonic() - t0 < 10, "error took too long")
