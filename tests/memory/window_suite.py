@@ -286,7 +286,7 @@ def async_ops() -> None:
         p = (rank + 1) % world
         out = torch.zeros(64, dtype=torch.int64)
         f = win.get(p, 0, out, async_op=True)
-        check("async_ops", f.wait() is None and f.done() and f.is_completed(), "get future")
+        check("async_ops", f.wait() is None and f.done() and f.is_completed() and f.is_success(), "get future")
         check("async_ops", same(out, torch.arange(64) + 100 * p), "async get result")
         dist.barrier()
         f = win.put(p, 10, torch.tensor([-1, -2], dtype=torch.int64), async_op=True)
