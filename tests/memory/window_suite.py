@@ -97,8 +97,11 @@ def put_get() -> None:
     with Window(mine) as win:
         check("put_get", mine.data_ptr() != before and same(win.tensor, mine), "Window(tensor) re-points the tensor")
         check("put_get", same(mine.reshape(-1)[:4], torch.arange(4, dtype=torch.float32) + rank), "contents kept")
-        dist.barrier()
         p = (rank + 1) % world
+        first = torch.empty(4)
+        win.get(p, n - 4, first)  # no barrier: a peer's contents are exposed as soon as creation returns
+        check("put_get", same(first, torch.arange(n - 4, n, dtype=torch.float32) + p), f"initial contents {first}")
+        dist.barrier()
         win.put(p, 0, torch.full((n,), float(100 + rank)))
         win.flush(p)
         dist.barrier()
