@@ -320,6 +320,31 @@ def case_subgroup(store: TensorStore) -> None:
     check(c, store.keys() == sorted(f"world/{r}" for r in range(world)), f"world store keys {store.keys()}")
 
 
+def case_uneven(store: TensorStore) -> None:
+    """Ranks contribute different capacities ((rank + 1) x 256 KiB): stats report them, a tensor that only
+    the largest rank can hold lands there, and a bigger one is refused with the pool's total."""
+    c = "uneven"
+    caps = [(r + 1) * 256 * KiB for r in range(world)]
+    check(c, [u.capacity for u in store.stats()] == caps, f"capacities {[u.capacity for u in store.stats()]}")
+    if rank == 0:
+        size = caps[-1] - 64 * KiB
+        store.put("only-the-largest", torch.zeros(size, dtype=torch.uint8))
+        check(c, store.locate("only-the-largest") == (world - 1, size), f"placed {store.locate('only-the-largest')}")
+        try:
+            store.put("nowhere", torch.zeros(caps[-1], dtype=torch.uint8))
+            check(c, False, "a tensor larger than every free extent was placed")
+        except TensorStoreFull as e:
+            def fmt(n: int) -> str:
+                if n >= MiB:
+                    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n / MiB:.1f} MiB"
+                return f"{n // KiB} KiB"
+            largest = caps[-2] if world > 1 else caps[-1] - (caps[-1] - 64 * KiB)
+            want = (f"TensorStore full: {world} ranks, {fmt(sum(caps))} capacity in total, {fmt(largest)} free at "
+                    f"most on one rank, cannot place {fmt(caps[-1])}")
+            check(c, str(e) == want, f"message {str(e)!r}, expected {want!r}")
+    dist.barrier()
+
+
 def run(name: str, fn, *args) -> None:  # noqa: ANN001
     t0 = time.perf_counter()
     try:
@@ -350,6 +375,7 @@ def main() -> None:
         ("dtypes", case_dtypes, 2 * MiB, ()),
         ("errors", case_errors, 1 * MiB, ()),
         ("subgroup", case_subgroup, 1 * MiB, ()),
+        ("uneven", case_uneven, (rank + 1) * 256 * KiB, ()),
     ]
     for name, fn, cap, extra in cases:
         store = TensorStore(capacity_per_rank=cap, timeout=60)
