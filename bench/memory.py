@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, n = launch.rank, launch.world_size
     skip = set(filter(None, args.skip.split(",")))
     store_server = None
-    if args.store_server == "process" and n > 1:
+    if args.store_server == "process" and n > 1 and launch.launcher == "mpirun":  # torchrun's agent serves it
         # as under torchrun (whose agent process serves torch's TCPStore), serve it from a process of its own
         # instead of a thread of rank 0: the TensorStore's records live there
         store_server, store = _tcpstore_in_process(rank, n)
