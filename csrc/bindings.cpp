@@ -192,7 +192,9 @@ PYBIND11_MODULE(_C, m) {
            "Wait until the operation completed at the target; returns None, or the old value of fetch_add / "
            "compare_swap.")
       .def("done", &WindowFuture::done)
-      .def("is_completed", &WindowFuture::done);
+      .def("is_completed", &WindowFuture::done, "torch.distributed Work's name for done().")
+      .def("is_success", [](const WindowFuture& f) { return !f.req || (f.req->test() && !f.req->failed()); },
+           "Completed without error (False while pending).");
 
   py::class_<PyWindow, PyWindowPtr>(m, "Window", "The C++ side of superkernel.memory.Window.")
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& b, int64_t count, c10::ScalarType st,

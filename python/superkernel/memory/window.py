@@ -9,8 +9,8 @@ Semantics follow MPI-3 passive-target RMA (``MPI_Win_lock_all`` epochs) and Open
   Between hosts the tcp provider's progress thread at the target executes each operation, whatever the
   target's Python thread is doing (computing, sleeping, blocked in a collective).
 * **Offsets and lengths** are in elements of the window's dtype, over the flattened exposed tensor. The
-  number of elements moved is ``src.numel()`` / ``out.numel()``; src/out must be contiguous CPU tensors of
-  the window's dtype.
+  number of elements moved is ``src.numel()`` / ``out.numel()``; src/out must be CPU tensors of the window's
+  dtype (``out`` contiguous; a non-contiguous ``src`` is copied first).
 * **Atomicity.** ``put``/``get`` are not atomic: concurrent conflicting accesses to the same element race
   (as in MPI). ``accumulate`` (sum, min, max) is atomic per element against other accumulates and the
   int64 atomics from any rank; ``fetch_add`` and ``compare_swap`` (int64 windows) are atomic and return the
@@ -34,7 +34,7 @@ Semantics follow MPI-3 passive-target RMA (``MPI_Win_lock_all`` epochs) and Open
   ``free`` raise ``TimeoutError`` on the others instead of hanging. Using a freed window raises
   ``RuntimeError``. ``win.tensor`` stays valid after free (it is then this rank's private memory).
 * **Errors.** Rank, offset or tag out of range: ``IndexError``; wrong dtype: ``TypeError``; bad op or a
-  non-contiguous/non-CPU tensor: ``ValueError``; a wait past its deadline: ``TimeoutError``; the target
+  non-CPU tensor or a non-contiguous ``out``: ``ValueError``; a wait past its deadline: ``TimeoutError``; the target
   process died or the group was aborted: ``PeerError`` (a ``RuntimeError``) naming window, op and rank; an
   interrupt (``superkernel.backend.cancel_waits``): ``CancelledError``.
 
@@ -150,8 +150,8 @@ class Window:
     def put(self, rank: int, offset: int, src: torch.Tensor, notify: int | None = None,
             async_op: bool = False) -> WindowFuture | None:
         """Write ``src`` into ``rank``'s block at element ``offset``; with ``notify=tag`` bump the target's
-        notify counter ``tag`` once the data is visible there."""
-        return self._impl.put(rank, offset, src, notify, async_op)
+        notify counter ``tag`` once the data is visible there. A non-contiguous ``src`` is copied first."""
+        return self._impl.put(rank, offset, src.contiguous(), notify, async_op)
 
     def get(self, rank: int, offset: int, out: torch.Tensor, async_op: bool = False) -> WindowFuture | None:
         """Read ``out.numel()`` elements of ``rank``'s block from element ``offset`` into ``out``."""
@@ -160,7 +160,7 @@ class Window:
     def accumulate(self, rank: int, offset: int, src: torch.Tensor, op: str = "sum",
                    async_op: bool = False) -> WindowFuture | None:
         """Element-wise atomic ``target[offset + i] = op(target[offset + i], src[i])``, op in sum/min/max."""
-        return self._impl.accumulate(rank, offset, src, op, async_op)
+        return self._impl.accumulate(rank, offset, src.contiguous(), op, async_op)
 
     def fetch_add(self, rank: int, offset: int, value: int, async_op: bool = False) -> int | WindowFuture:
         """Atomically add ``value`` to the int64 at ``offset`` of ``rank``; returns the old value."""
