@@ -61,9 +61,10 @@ def test_cli_two_ranks_prints_measured_tables(shm_run) -> None:
     assert sizes[0] == 1 and sizes[-1] == 1 << 20 and sizes == sorted(sizes)
     assert all(v > 0 for _, v in lat + bw)
     # physics, not hard-coded numbers: a 1 MiB message moves more bytes per second than a 1-byte one, and
-    # takes longer than it; latency is plausible for a host (between 0.05 us and 50 ms)
+    # takes longer than the fastest small one (the min over several sizes: one point can catch a scheduler
+    # delay on a loaded machine); latency is plausible for a host (between 0.05 us and 50 ms)
     assert bw[-1][1] > 10 * bw[0][1]
-    assert lat[-1][1] > lat[0][1]
+    assert lat[-1][1] > min(v for size, v in lat if size <= 1024)
     assert all(0.05 < v < 50_000 for _, v in lat)
     ar = next(v for k, v in blocks.items() if k.startswith("OSU MPI Allreduce"))
     assert ar and all(v > 0 for _, v in ar)
