@@ -367,8 +367,9 @@ def plot(doc: dict[str, Any], path: str) -> None:
     rows = doc["store"]
     if rows:
         xs = [r["bytes"] for r in rows]
-        for key, style, label in (("store_put_GBps", "-", "TensorStore put"), ("store_get_GBps", "-", "TensorStore get"),
-                                  ("redis_put_GBps", "--", "Redis SET"), ("redis_get_GBps", "--", "Redis GET")):
+        curves = (("store_put_GBps", "-", "TensorStore put"), ("store_get_GBps", "-", "TensorStore get"),
+                  ("redis_put_GBps", "--", "Redis SET"), ("redis_get_GBps", "--", "Redis GET"))
+        for key, style, label in curves:
             ax2.plot(xs, [r[key] for r in rows], style, marker="." if "put" in key else "x", label=label)
     for ax, title in ((ax1, "one-sided bandwidth (rank 0 -> rank 1)"), (ax2, "tensor store throughput")):
         ax.set_xscale("log", base=2)

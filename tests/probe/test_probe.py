@@ -47,7 +47,8 @@ def osu_blocks(text: str) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def shm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     tmp = tmp_path_factory.mktemp("probe")
-    return run_cli(tmp, "--ranks", "2", "--quick", "--plot", "probe.png", "--json", "probe.json"), tmp
+    return run_cli(tmp, "--ranks", "2", "--quick", "--time", "0.005", "--plot", "probe.png", "--json", "probe.json"
+                   ), tmp
 
 
 def test_cli_two_ranks_prints_measured_tables(shm_run) -> None:
@@ -102,8 +103,8 @@ def test_cli_verdict_and_hardware(shm_run) -> None:
 
 def test_cli_reports_the_provider_actually_used(tmp_path: Path) -> None:
     """Forced TCP between two ranks of one host: the tables and the verdict name TCP, not shared memory."""
-    out = run_cli(tmp_path, "--ranks", "2", "--quick", "--max-bytes", "64K", "--no-one-sided", "--plot", "",
-                  "--transport", "tcp")
+    out = run_cli(tmp_path, "--ranks", "2", "--quick", "--time", "0.005", "--max-bytes", "64K", "--no-one-sided",
+                  "--plot", "", "--transport", "tcp")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "intra-host TCP (rank 0 <-> 1)" in out.stdout
     assert re.search(r"intra-host: TCP, [\d.]+ GB/s, [\d.]+ µs", out.stdout)
