@@ -47,6 +47,58 @@ std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char*
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
 
+// gemm_reducescatter on mk: a ring of partial sums straight over the transport. At step s rank r works on
+// block (r - s - 1) mod R: it multiplies its own part of that block, adds the running sum received from the
+// previous rank and sends it on to the next; at the last step the block is r's own and the sum is final.
+// The products of a part are computed before its receive is waited for, so the transfer of part i overlaps
+// the products of part i+1 (and the next step's). Running sums are in the accumulation type (fp32 for half
+// types). All receives are posted up front into distinct buffers.
+void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& out, int64_t mb,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, at::ScalarType acc_t) {
+  const int R = p.size(), r = p.rank();
+  const int next = (r + 1) % R, prev = (r - 1 + R) % R;
+  const int64_t n = b.size(1), C = int64_t(ranges.size());
+  const bool convert = a.scalar_type() != acc_t;
+  auto opts = a.options().dtype(acc_t);
+  at::Tensor incoming = at::empty({R - 1, mb, n}, opts);  // step s (>= 1) receives into incoming[s - 1]
+  at::Tensor first = at::empty({mb, n}, opts);            // step 0's products, sent as they are
+  at::Tensor scratch = at::empty({mb, n}, opts);
+  std::vector<Pending> recvs;
+  for (int s = 1; s < R; ++s)
+    for (int64_t i = 0; i < C; ++i) {
+      auto [lo, hi] = ranges[size_t(i)];
+      recvs.push_back(p.recv(incoming.select(0, s - 1).narrow(0, lo, hi - lo), prev, uint32_t((s - 1) * C + i)));
+    }
+  std::vector<Pending> sends;
+  for (int s = 0; s < R; ++s) {
+    const int64_t blk = ((r - s - 1) % R + R) % R;
+    for (int64_t i = 0; i < C; ++i) {
+      auto [lo, hi] = ranges[size_t(i)];
+      const int64_t rows = hi - lo;
+      at::Tensor src = a.narrow(0, blk * mb + lo, rows);
+      if (convert) src = src.to(acc_t);
+      if (s == 0) {
+        at::Tensor dst = first.narrow(0, lo, rows);
+        at::mm_out(dst, src, b);
+        if (R > 1) sends.push_back(p.send(dst, next, uint32_t(i)));
+        if (R == 1) out.narrow(0, lo, rows).copy_(dst);
+        continue;
+      }
+      at::Tensor prod = s + 1 < R ? scratch.narrow(0, lo, rows) : out.narrow(0, lo, rows);
+      at::mm_out(prod, src, b);
+      recvs[size_t((s - 1) * C + i)].wait();
+      at::Tensor sum = incoming.select(0, s - 1).narrow(0, lo, rows);
+      if (s + 1 < R) {
+        sum.add_(prod);
+        sends.push_back(p.send(sum, next, uint32_t(s * C + i)));
+      } else {
+        prod.add_(sum);
+      }
+    }
+  }
+  for (auto& x : sends) x.wait();
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const at::Tensor& b_in,
@@ -68,6 +120,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
                       {"return_gathered", int64_t(return_gathered), false}, {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][5];
+  p.trace(c10::str("m=", m, " k=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   at::Tensor gathered = at::empty({R * m, k}, a.options());
@@ -125,6 +178,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
                       {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][4];
+  p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
@@ -185,6 +239,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
                       {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][4];
+  p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
@@ -199,7 +254,12 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     auto rg = chunk_range(mb, C, i);
     if (rg.second > rg.first) ranges.push_back(rg);
   }
-  // One staging buffer per chunk: [R, rows_i, n], block j = rows of rank j's block (the reduce-scatter input).
+  if (g.is_mk()) {
+    ring_reducescatter(p, a, b, acc_out, mb, ranges, acc_t);
+    return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+  }
+  // Other backends: one staging buffer per chunk, [R, rows_i, n], block j = rows of rank j's block (the
+  // reduce-scatter input); the backend's reduce_scatter of chunk i overlaps the products of chunk i+1.
   std::vector<at::Tensor> stage(ranges.size());
   p.overlap(
       int64_t(ranges.size()),

@@ -6,7 +6,7 @@
 //   mk      point-to-point goes straight to the transport (Comm::isend/irecv, completed by the providers'
 //           progress threads, in a tag space private to fused ops, no staging copies); collectives on
 //           (sub-)buffers go to ProcessGroupMK's own algorithms (shm segments, rings), issued from a
-//           communication lane thread owned by the pipeline so they never run inline on the compute thread.
+//           communication lane thread (one per group, kept) so they never run inline on the compute thread.
 //   other   (gloo; nccl on CUDA) the backend's own asynchronous c10d calls (send/recv/allreduce/...); the
 //           pipeline waits on their c10d::Work.
 // Device-generic: on a non-CPU device, publish() orders the communication after the compute already
@@ -45,8 +45,6 @@ class Work;
 }
 
 namespace mk::kernels {
-
-class Lane;
 
 // One asynchronous communication of a pipeline. Move-only; wait() once (later calls return at once).
 // Keeps the tensors it reads or writes alive until it completed.
@@ -118,6 +116,9 @@ class Pipeline {
   Pending alltoall(const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
                    std::vector<int64_t> in_splits);
 
+  // SUPERKERNEL_OPS_TRACE=1: one line per op call on stderr (op, rank, shape, agreed chunk count).
+  void trace(const std::string& what) const;
+
   // Make what the caller's stream computed into `t` visible to communication issued after this call.
   // No-op on CPU and for stream-aware backends (nccl).
   void publish(const at::Tensor& t);
@@ -154,7 +155,6 @@ class Pipeline {
   Group g_;
   const char* op_;
   uint64_t seq_;
-  std::unique_ptr<Lane> lane_;
 };
 
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
