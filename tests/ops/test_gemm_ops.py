@@ -17,7 +17,7 @@ def args_for(world: int, transport: str) -> list[str]:
     args = ["--errors"]
     if world <= 2 and transport in ("auto", "shm"):
         args += ["--opcheck", "--compile"]
-    if world == 2 or (world == 4 and transport == "shm"):
+    if (world == 2 and transport == "shm") or (world == 4 and transport == "shm"):
         args.append("--large")
     return args
 
