@@ -120,6 +120,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
                       {"return_gathered", int64_t(return_gathered), false}, {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][5];
+  p.use_chunks(C);
   p.trace(c10::str("m=", m, " k=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
@@ -178,6 +179,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
                       {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][4];
+  p.use_chunks(C);
   p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   const bool half = acc_t != a_in.scalar_type();
@@ -239,6 +241,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
                       {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][4];
+  p.use_chunks(C);
   p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   const bool half = acc_t != a_in.scalar_type();

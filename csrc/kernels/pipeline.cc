@@ -41,6 +41,7 @@ size_t nbytes(const at::Tensor& t) { return size_t(t.numel()) * t.element_size()
 // Per-group state shared by the op calls on that group: the op sequence number and the link estimate.
 struct GroupState {
   c10::weak_intrusive_ptr<c10d::Backend> backend{c10::intrusive_ptr<c10d::Backend>()};  // whose state this is
+  std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
@@ -280,12 +281,12 @@ Lane& lane_of(const Group& g) {
 
 // ---------------------------------------------------------------- Pipeline
 
-Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op) {
+Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op), started_(Clock::now()) {
   std::lock_guard<std::mutex> lock(states_mu());
   seq_ = state_of(g_).next_seq++;
 }
 
-Pipeline::~Pipeline() = default;
+Pipeline::~Pipeline() { record_timing(); }
 
 std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, const std::string& local_error) {
   fields.push_back({"fused-op call number on this group", int64_t(seq_), true});
@@ -318,7 +319,39 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   // C = sqrt(min / overhead). Beyond 8 chunks the fill/drain gain is below the noise.
   const double overhead = lat + 1.5e-4;
   const double c = std::sqrt(std::min(t_comm, t_comp) / overhead);
-  return std::clamp<int64_t>(int64_t(std::lround(c)), 1, std::min<int64_t>(hi, 8));
+  const int64_t modeled = std::clamp<int64_t>(int64_t(std::lround(c)), 1, std::min<int64_t>(hi, 8));
+  // The model cannot see how much CPU the communication itself needs (shm copies, TCP at 10 Gbit/s on a
+  // small machine): then overlap gains less and chunking may cost more than it saves. So the automatic
+  // count is tuned per (group, op, shape) on the calls themselves: the modelled count, its neighbours and 1
+  // are each timed twice, then the fastest is kept (rank 0's proposal is the one every rank uses).
+  std::lock_guard<std::mutex> lock(states_mu());
+  auto& tuners = state_of(g_).tuners;
+  Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi)];
+  if (t.candidates.empty()) {
+    for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
+      if (std::find(t.candidates.begin(), t.candidates.end(), v) == t.candidates.end()) t.candidates.push_back(v);
+    t.best_seconds.assign(t.candidates.size(), 0);
+  }
+  tuner_ = &t;
+  if (t.trials < 2 * t.candidates.size()) return t.candidates[t.trials % t.candidates.size()];
+  size_t best = 0;
+  for (size_t i = 1; i < t.candidates.size(); ++i)
+    if (t.best_seconds[i] < t.best_seconds[best]) best = i;
+  return t.candidates[best];
+}
+
+void Pipeline::use_chunks(int64_t agreed) { chunks_used_ = agreed; }
+
+void Pipeline::record_timing() {
+  if (!tuner_ || chunks_used_ <= 0 || std::uncaught_exceptions() > 0) return;
+  const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
+  std::lock_guard<std::mutex> lock(states_mu());
+  Tuner& t = *tuner_;
+  auto it = std::find(t.candidates.begin(), t.candidates.end(), chunks_used_);
+  if (it == t.candidates.end()) return;
+  const size_t i = size_t(it - t.candidates.begin());
+  if (t.trials < 2 * t.candidates.size()) ++t.trials;
+  t.best_seconds[i] = t.best_seconds[i] == 0 ? secs : std::min(t.best_seconds[i], secs);
 }
 
 Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) {
