@@ -1,15 +1,18 @@
 // GEMM fused with a collective, on the pipeline scheduler:
 //   mk::allgather_gemm(a, b, group_name, return_gathered=False, chunks=0) -> (c, gathered)
-//       c = cat_r(a_r) @ b, [R*m, n]. A ring: each step forwards the shard part just received to the next
-//       rank while multiplying it; `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k]
-//       (always a tuple, so the schema and the fake kernel do not depend on a flag's value).
+//       c = cat_r(a_r) @ b, [R*m, n]. On mk a ring over the transport: each step forwards the shard part
+//       just received to the next rank while multiplying it (no staging copies: parts land in `gathered`).
+//       On other backends: the backend's allgather of row part i+1 while part i is multiplied.
+//       `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k] (always a tuple, so the schema
+//       and the fake kernel do not depend on a flag's value).
 //   mk::gemm_allreduce(a, b, group_name, chunks=0) -> c
 //       c = sum_r a_r @ b_r, [m, n] on every rank. Row chunks: chunk i's partial product is allreduced while
-//       chunk i+1 is multiplied.
+//       chunk i+1 is multiplied (mk: ProcessGroupMK's allreduce issued from the group's lane thread).
 //   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
-//       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). Each chunk takes the same rows from every
-//       rank's block, so its reduce-scatter leaves this rank's rows of that chunk; reduce-scatter of chunk i
-//       overlaps the products of chunk i+1.
+//       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk a ring of partial sums over the
+//       transport (see ring_reducescatter). On other backends each chunk takes the same rows from every
+//       rank's block, so its reduce-scatter leaves this rank's rows of that chunk; the reduce-scatter of
+//       chunk i overlaps the products of chunk i+1.
 // Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
 // are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically.
 #include <ATen/ops/empty.h>
@@ -128,7 +131,40 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   at::Tensor c = at::empty({R * m, n}, a.options());
   gathered.narrow(0, r * m, m).copy_(a);
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  if (!g.is_mk() && R > 1) {
+    // Other backends: the backend's allgather of part i+1 runs while part i's rows of every shard are
+    // multiplied. (A ring of separate sends and receives would deadlock NCCL, whose point-to-point calls
+    // outside a group are serialised on one stream.)
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (int64_t i = 0; i < C; ++i) {
+      auto rg = chunk_range(m, C, i);
+      if (rg.second > rg.first) ranges.push_back(rg);
+    }
+    const size_t N = ranges.size();
+    std::vector<at::Tensor> parts(N);
+    auto issue = [&](size_t i) {
+      auto [lo, hi] = ranges[i];
+      parts[i] = at::empty({R, hi - lo, k}, a.options());
+      return p.allgather(a.narrow(0, lo, hi - lo), parts[i]);
+    };
+    Pending cur = issue(0);
+    for (size_t i = 0; i < N; ++i) {
+      Pending nxt = i + 1 < N ? issue(i + 1) : Pending();
+      cur.wait();
+      auto [lo, hi] = ranges[i];
+      for (int j = 0; j < R; ++j) {
+        at::Tensor src = parts[i].select(0, j);
+        at::Tensor dst = c.narrow(0, j * m + lo, hi - lo);
+        at::mm_out(dst, src, b);
+        if (return_gathered) gathered.narrow(0, j * m + lo, hi - lo).copy_(src);
+      }
+      parts[i] = at::Tensor();
+      cur = std::move(nxt);
+    }
+    return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  }
 
+  // mk: a ring straight over the transport.
   const int next = (r + 1) % R, prev = (r - 1 + R) % R;
   auto part = [&](int64_t block, int64_t i) {
     auto [lo, hi] = chunk_range(m, C, i);
