@@ -432,6 +432,13 @@ Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* 
 
 Pending Pipeline::lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()> issue, const char* what,
                                   std::vector<at::Tensor> keep) {
+  if (inline_) {
+    // ProcessGroupMK's own work (run inline for small tensors, else on its worker thread); its wait honours
+    // the timeout and interrupts.
+    auto pend = backend_work(issue(), cat("mk ", op_, ": ", what).c_str(), -1, std::move(keep));
+    pend.set_pollable(false);
+    return pend;
+  }
   auto st = std::make_shared<Pending::State>();
   st->kind = Pending::State::Kind::lane;
   st->what = cat("mk ", op_, ": rank ", g_.rank, ": ", what);

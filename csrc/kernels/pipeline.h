@@ -141,11 +141,26 @@ class Pipeline {
   // The canonical overlap loop: for i in [0, n): compute(i); publish; comm(i) starts (returns a Pending);
   // then the oldest outstanding chunk is finished once more than `depth` - 1 are in flight, so comm(i)
   // overlaps compute(i+1). finish(i) runs in order after chunk i's Pending completed.
+  //
+  // The last chunk's communication has no compute left to hide behind: once the earlier chunks are done it is
+  // issued on the caller's thread (no lane hand-off, as an unfused collective would be), so a pipeline whose
+  // tuned chunk count is 1 costs what the unfused composition costs.
   template <typename Compute, typename Communicate, typename Finish>
   void overlap(int64_t n, Compute compute, Communicate communicate, Finish finish, int depth = 2) {
     std::deque<std::pair<int64_t, Pending>> inflight;
     for (int64_t i = 0; i < n; ++i) {
       compute(i);
+      if (i == n - 1) {
+        while (!inflight.empty()) {  // the lane must be idle: collectives are issued in the same order everywhere
+          auto [j, pend] = std::move(inflight.front());
+          inflight.pop_front();
+          pend.wait();
+          finish(j);
+        }
+        InlineScope on_caller(*this);
+        inflight.emplace_back(i, communicate(i));
+        continue;
+      }
       inflight.emplace_back(i, communicate(i));
       while (int64_t(inflight.size()) >= depth) {
         auto [j, pend] = std::move(inflight.front());
@@ -163,6 +178,12 @@ class Pipeline {
   }
 
  private:
+  struct InlineScope {
+    explicit InlineScope(Pipeline& p) : p_(p) { p_.inline_ = true; }
+    ~InlineScope() { p_.inline_ = false; }
+    Pipeline& p_;
+  };
+
   Pending lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()> issue, const char* what,
                           std::vector<at::Tensor> keep);
   Pending backend_work(c10::intrusive_ptr<c10d::Work> work, const char* what, int peer, std::vector<at::Tensor> keep);
@@ -175,6 +196,7 @@ class Pipeline {
   std::chrono::steady_clock::time_point started_;
   Tuner* tuner_ = nullptr;  // set by chunks() for automatic counts; owned by the group's state
   int64_t chunks_used_ = 0;
+  bool inline_ = false;  // the next lane collective runs on the caller's thread (lane idle, nothing to overlap)
 };
 
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
