@@ -1,0 +1,188 @@
+// mk::ring_attention: attention over a sequence sharded across the ranks of a group.
+//
+// Layout. Every rank holds s positions of a sequence of R·s. Contiguous (zigzag=False): rank r holds
+// [r·s, (r+1)·s). Zigzag (zigzag=True, s even, meant for causal masks): the sequence is cut into 2R chunks
+// of c = s/2 and rank r holds chunk r followed by chunk 2R−1−r, so every rank has the same amount of
+// unmasked causal work.
+//
+// Algorithm. K and V (packed into one buffer, in the input dtype) travel around the ring r → r+1: at step i
+// rank r holds the block of rank (r − i) mod R, sends it on and receives the next one while it computes
+// attention of its queries against the block it has (so the transfer of block i+1 overlaps the compute of
+// block i). Each block's partial result (output and log-sum-exp, fp32) is merged into the running one with
+// the log-sum-exp rule: lse = logaddexp(lse, lse_b); out = out·e^(lse_old−lse) + out_b·e^(lse_b−lse).
+// With a causal mask, every pair of (query chunk, key chunk) is classified by its global positions as fully
+// visible, fully masked (skipped) or diagonal (masked element-wise).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/logaddexp.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/exchange.h"
+
+namespace mk::kernels {
+namespace {
+
+constexpr const char* kOp = "ring_attention";
+
+// A run of consecutive sequence positions held by one rank: global start, offset in the local block, length.
+struct Chunk {
+  int64_t pos, off, len;
+};
+
+std::vector<Chunk> chunks_of(int rank, int R, int64_t s, bool zigzag) {
+  if (!zigzag) return {{int64_t(rank) * s, 0, s}};
+  const int64_t c = s / 2;
+  return {{int64_t(rank) * c, 0, c}, {int64_t(2 * R - 1 - rank) * c, c, c}};
+}
+
+enum class Vis { full, none, partial };
+
+Vis visibility(const Chunk& q, const Chunk& k, bool causal) {
+  if (!causal || q.len == 0 || k.len == 0) return q.len && k.len ? Vis::full : Vis::none;
+  if (k.pos + k.len - 1 <= q.pos) return Vis::full;
+  if (k.pos > q.pos + q.len - 1) return Vis::none;
+  return Vis::partial;
+}
+
+// Positions where key > query: the causal mask of a partial pair, [q.len, k.len].
+at::Tensor causal_mask(const Chunk& q, const Chunk& k) {
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor qp = at::arange(q.pos, q.pos + q.len, opts).unsqueeze(1);
+  at::Tensor kp = at::arange(k.pos, k.pos + k.len, opts).unsqueeze(0);
+  return kp.gt(qp);
+}
+
+// Replace -inf (rows that saw no key yet) by 0 so that exp(x - m) stays 0 instead of NaN.
+at::Tensor finite_or_zero(const at::Tensor& m) { return m.masked_fill(m.isneginf(), 0.0); }
+
+// Attention of q [b, hkv, g, sq, d] against k, v [b, hkv, sk, d] (all fp32), merged into out/lse
+// ([b, hkv, g, sq, d] / [b, hkv, g, sq], fp32 views into the accumulators).
+void attend_merge(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                  double scale, at::Tensor out, at::Tensor lse) {
+  at::Tensor scores = at::matmul(q, k.unsqueeze(2).transpose(-1, -2)).mul_(scale);  // [b, hkv, g, sq, sk]
+  if (mask) scores.masked_fill_(*mask, -std::numeric_limits<double>::infinity());
+  at::Tensor blse = at::logsumexp(scores, -1);
+  at::Tensor p = at::exp(scores.sub_(finite_or_zero(blse).unsqueeze(-1)));
+  at::Tensor bout = at::matmul(p, v.unsqueeze(2));
+  at::Tensor merged = at::logaddexp(lse, blse);
+  at::Tensor m = finite_or_zero(merged);
+  out.mul_(at::exp(lse - m).unsqueeze(-1)).add_(bout.mul_(at::exp(blse - m).unsqueeze(-1)));
+  lse.copy_(merged);
+}
+
+std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  c10::string_view group_name, bool causal, std::optional<double> scale,
+                                                  bool zigzag) {
+  Exchange ex(std::string(group_name), kOp, q.device());
+  const int R = ex.size(), me = ex.rank();
+
+  // What this rank was given, and whether it is usable; every rank checks every rank's description, so a
+  // disagreement fails everywhere at the same point, before any data moves.
+  std::string local_problem;
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
+    local_problem = c10::str("q, k, v must be 4-d [batch, heads, seq, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  else if (k.sizes() != v.sizes())
+    local_problem = c10::str("k ", k.sizes(), " and v ", v.sizes(), " differ in shape");
+  else if (q.size(0) != k.size(0) || q.size(2) != k.size(2) || q.size(3) != k.size(3))
+    local_problem = c10::str("q ", q.sizes(), " and k ", k.sizes(), " disagree in batch, sequence or head_dim");
+  else if (k.size(1) == 0 || q.size(1) % k.size(1) != 0)
+    local_problem = c10::str("query heads (", q.size(1), ") must be a multiple of key/value heads (", k.size(1), ")");
+  else if (q.scalar_type() != k.scalar_type() || q.scalar_type() != v.scalar_type())
+    local_problem = c10::str("q, k, v dtypes differ: ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  else if (!(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf))
+    local_problem = c10::str("dtype ", q.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  else if (zigzag && q.size(2) % 2 != 0)
+    local_problem = c10::str("zigzag layout needs an even local sequence length, got ", q.size(2));
+  const bool ok = local_problem.empty();
+  const double sc = scale.value_or(ok && q.size(3) > 0 ? 1.0 / std::sqrt(double(q.size(3))) : 1.0);
+  double sc_bits_src = sc;
+  int64_t sc_bits = 0;
+  static_assert(sizeof(double) == sizeof(int64_t));
+  std::memcpy(&sc_bits, &sc_bits_src, sizeof sc_bits);
+  std::vector<int64_t> desc = {ok ? 0 : 1,
+                               ok ? q.size(0) : -1, ok ? q.size(1) : -1, ok ? k.size(1) : -1, ok ? q.size(2) : -1,
+                               ok ? q.size(3) : -1, int64_t(q.scalar_type()), causal, zigzag, sc_bits};
+  static const char* names[] = {"error", "batch", "query heads", "kv heads", "local sequence", "head_dim",
+                                "dtype", "causal", "zigzag", "scale"};
+  const at::Tensor all = ex.allgather(at::tensor(desc, at::TensorOptions().dtype(at::kLong)));
+  const auto A = all.accessor<int64_t, 2>();
+  TORCH_CHECK(ok, "mk ", kOp, ": rank ", me, ": ", local_problem);
+  for (int r = 0; r < R; ++r) {
+    TORCH_CHECK(A[r][0] == 0, "mk ", kOp, ": rank ", me, ": rank ", r,
+                " was given invalid inputs (its error names the problem)");
+    for (size_t i = 1; i < desc.size(); ++i)
+      TORCH_CHECK(A[r][int64_t(i)] == desc[i], "mk ", kOp, ": rank ", me, ": ", names[i],
+                  " disagrees across ranks (rank ", me, ": ", desc[i], ", rank ", r, ": ", A[r][int64_t(i)],
+                  "); every rank must pass the same shapes and options");
+  }
+
+  const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), s = q.size(2), d = q.size(3), g = hq / hkv;
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor q32 = q.to(at::kFloat).reshape({b, hkv, g, s, d});
+  at::Tensor out = at::zeros({b, hkv, g, s, d}, f32);
+  at::Tensor lse = at::full({b, hkv, g, s}, -std::numeric_limits<double>::infinity(), f32);
+  const auto my_chunks = chunks_of(me, R, s, zigzag);
+
+  // Double-buffered K/V blocks; block i+1 arrives while block i is computed.
+  at::Tensor cur = at::stack({k, v}).contiguous();  // [2, b, hkv, s, d], input dtype
+  at::Tensor nxt = R > 1 ? at::empty_like(cur) : at::Tensor();
+  const int right = (me + 1) % R, left = (me - 1 + R) % R;
+  for (int step = 0; step < R; ++step) {
+    const int src = (me - step + R) % R;
+    std::optional<size_t> sent, received;
+    if (step + 1 < R && s > 0) {
+      sent = ex.send(right, cur, uint32_t(step));
+      received = ex.recv(left, nxt, uint32_t(step));
+    }
+    const auto their_chunks = chunks_of(src, R, s, zigzag);
+    at::Tensor kb, vb;
+    for (const Chunk& qc : my_chunks) {
+      for (const Chunk& kc : their_chunks) {
+        const Vis vis = visibility(qc, kc, causal);
+        if (vis == Vis::none) continue;
+        if (!kb.defined()) {
+          kb = cur[0].to(at::kFloat);
+          vb = cur[1].to(at::kFloat);
+        }
+        std::optional<at::Tensor> mask;
+        if (vis == Vis::partial) mask = causal_mask(qc, kc);
+        attend_merge(q32.narrow(3, qc.off, qc.len), kb.narrow(2, kc.off, kc.len), vb.narrow(2, kc.off, kc.len), mask,
+                     sc, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
+      }
+    }
+    if (sent) {
+      ex.wait(*sent);
+      ex.wait(*received);
+      std::swap(cur, nxt);
+    }
+  }
+  return {out.reshape({b, hq, s, d}).to(q.scalar_type()), lse.reshape({b, hq, s})};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mk, m) {
+  m.def(
+      "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, bool causal=False, float? scale=None, "
+      "bool zigzag=False) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mk, CompositeExplicitAutograd, m) { m.impl("ring_attention", &ring_attention); }
+
+}  // namespace mk::kernels
