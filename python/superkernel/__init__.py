@@ -16,3 +16,4 @@ if _os.environ.get("SUPERKERNEL_FRONTEND") != "1":
     from superkernel.backend import register_backend as _register_backend
 
     _register_backend()
+    import superkernel.ops as _ops  # noqa: F401  (fake kernels of torch.ops.mk.* for torch.compile)

@@ -1,0 +1,239 @@
+// GEMM fused with a collective, on the pipeline scheduler:
+//   mk::allgather_gemm(a, b, group_name, return_gathered=False, chunks=0) -> (c, gathered)
+//       c = cat_r(a_r) @ b, [R*m, n]. A ring: each step forwards the shard part just received to the next
+//       rank while multiplying it; `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k]
+//       (always a tuple, so the schema and the fake kernel do not depend on a flag's value).
+//   mk::gemm_allreduce(a, b, group_name, chunks=0) -> c
+//       c = sum_r a_r @ b_r, [m, n] on every rank. Row chunks: chunk i's partial product is allreduced while
+//       chunk i+1 is multiplied.
+//   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
+//       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). Each chunk takes the same rows from every
+//       rank's block, so its reduce-scatter leaves this rank's rows of that chunk; reduce-scatter of chunk i
+//       overlaps the products of chunk i+1.
+// Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
+// are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <sstream>
+#include <tuple>
+
+#include "kernels/group.h"
+#include "kernels/pipeline.h"
+
+namespace mk::kernels {
+namespace {
+
+// Argument checks shared by the three ops; "" when fine (agree() turns a message into an error on every rank).
+std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char* a_shape, const char* b_shape) {
+  std::ostringstream e;
+  if (a.dim() != 2 || b.dim() != 2) {
+    e << "a must be 2-D " << a_shape << " and b 2-D " << b_shape << ", got a " << a.sizes() << " and b " << b.sizes();
+  } else if (a.size(1) != b.size(0)) {
+    e << "inner dimensions differ: a is " << a.sizes() << ", b is " << b.sizes() << " (a " << a_shape << ", b "
+      << b_shape << ")";
+  } else if (a.scalar_type() != b.scalar_type()) {
+    e << "a is " << a.scalar_type() << " but b is " << b.scalar_type();
+  } else if (a.scalar_type() != at::kFloat && a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kHalf) {
+    e << "dtype " << a.scalar_type() << " is not supported (float32, bfloat16, float16)";
+  } else if (a.device() != b.device()) {
+    e << "a is on " << a.device() << " but b is on " << b.device();
+  }
+  return e.str();
+}
+
+int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const at::Tensor& b_in,
+                                                  c10::string_view group_name, bool return_gathered, int64_t chunks) {
+  const char* op = "allgather_gemm";
+  Group g = resolve_group(std::string(group_name), a_in.device(), op);
+  Pipeline p(g, op);
+  std::string err = check_operands(a_in, b_in, "[m, k]", "[k, n]");
+  if (err.empty() && chunks < 0) err = "chunks must be >= 0 (0 = automatic)";
+  const int64_t m = dim_or(a_in, 0), k = dim_or(a_in, 1), n = dim_or(b_in, 1);
+  const int R = g.size, r = g.rank;
+  ChunkModel model;
+  model.comm_bytes = double(R - 1) * double(std::max<int64_t>(m, 0)) * double(std::max<int64_t>(k, 0)) * a_in.element_size();
+  model.flops = 2.0 * R * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
+  model.max_chunks = std::max<int64_t>(1, m);
+  model.dtype = a_in.scalar_type();
+  const int64_t proposal = err.empty() ? p.chunks(chunks, model) : 1;
+  auto all = p.agree({{"m", m}, {"k", k}, {"n", n}, {"dtype", dtype_code(a_in.scalar_type())},
+                      {"return_gathered", int64_t(return_gathered), false}, {"chunks", proposal, false}},
+                     err);
+  const int64_t C = all[0][5];
+
+  at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  at::Tensor gathered = at::empty({R * m, k}, a.options());
+  at::Tensor c = at::empty({R * m, n}, a.options());
+  gathered.narrow(0, r * m, m).copy_(a);
+  if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
+
+  const int next = (r + 1) % R, prev = (r - 1 + R) % R;
+  auto part = [&](int64_t block, int64_t i) {
+    auto [lo, hi] = chunk_range(m, C, i);
+    return std::make_pair(block * m + lo, hi - lo);
+  };
+  // Post every receive up front (distinct buffers: step s brings block (r - s - 1) mod R from prev).
+  std::vector<Pending> recvs(size_t(std::max(R - 1, 0) * C));
+  for (int s = 0; s + 1 < R; ++s) {
+    const int64_t blk = ((r - s - 1) % R + R) % R;
+    for (int64_t i = 0; i < C; ++i) {
+      auto [row, rows] = part(blk, i);
+      if (rows > 0) recvs[size_t(s * C + i)] = p.recv(gathered.narrow(0, row, rows), prev, uint32_t(s * C + i));
+    }
+  }
+  std::vector<Pending> sends;
+  sends.reserve(size_t(std::max(R - 1, 0) * C));
+  for (int s = 0; s < R; ++s) {
+    const int64_t blk = ((r - s) % R + R) % R;  // the block in hand at step s
+    for (int64_t i = 0; i < C; ++i) {
+      auto [row, rows] = part(blk, i);
+      if (rows == 0) continue;
+      if (s > 0) recvs[size_t((s - 1) * C + i)].wait();
+      at::Tensor src = gathered.narrow(0, row, rows);
+      if (s + 1 < R) sends.push_back(p.send(src, next, uint32_t(s * C + i)));
+      at::Tensor dst = c.narrow(0, row, rows);
+      at::mm_out(dst, src, b);
+    }
+  }
+  for (auto& s : sends) s.wait();
+  return {c, return_gathered ? gathered : a.new_empty({0, k})};
+}
+
+at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::string_view group_name, int64_t chunks) {
+  const char* op = "gemm_allreduce";
+  Group g = resolve_group(std::string(group_name), a_in.device(), op);
+  Pipeline p(g, op);
+  std::string err = check_operands(a_in, b_in, "[m, k_r]", "[k_r, n]");
+  if (err.empty() && chunks < 0) err = "chunks must be >= 0 (0 = automatic)";
+  const int64_t m = dim_or(a_in, 0), k = dim_or(a_in, 1), n = dim_or(b_in, 1);
+  const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
+  ChunkModel model;
+  model.comm_bytes = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
+  model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
+  model.max_chunks = std::max<int64_t>(1, m);
+  model.dtype = a_in.scalar_type();
+  const int64_t proposal = err.empty() ? p.chunks(chunks, model) : 1;
+  auto all = p.agree({{"m", m}, {"k_r", k, false}, {"n", n}, {"dtype", dtype_code(a_in.scalar_type())},
+                      {"chunks", proposal, false}},
+                     err);
+  const int64_t C = all[0][4];
+
+  const bool half = acc_t != a_in.scalar_type();
+  at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
+  at::Tensor acc = at::empty({m, n}, a.options().dtype(acc_t));
+  if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
+  if (g.size == 1) {
+    at::mm_out(acc, half ? a.to(acc_t) : a, b);
+    return half ? acc.to(a_in.scalar_type()) : acc;
+  }
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t i = 0; i < C; ++i) {
+    auto rg = chunk_range(m, C, i);
+    if (rg.second > rg.first) ranges.push_back(rg);
+  }
+  at::Tensor out = half ? at::empty({m, n}, a.options()) : acc;
+  p.overlap(
+      int64_t(ranges.size()),
+      [&](int64_t i) {
+        auto [lo, hi] = ranges[size_t(i)];
+        at::Tensor dst = acc.narrow(0, lo, hi - lo);
+        at::Tensor src = a.narrow(0, lo, hi - lo);
+        at::mm_out(dst, half ? src.to(acc_t) : src, b);
+        p.publish(dst);
+      },
+      [&](int64_t i) {
+        auto [lo, hi] = ranges[size_t(i)];
+        return p.allreduce(acc.narrow(0, lo, hi - lo));
+      },
+      [&](int64_t i) {
+        if (!half) return;
+        auto [lo, hi] = ranges[size_t(i)];
+        out.narrow(0, lo, hi - lo).copy_(acc.narrow(0, lo, hi - lo));
+      },
+      /*depth=*/int(ranges.size()) + 1);
+  return out;
+}
+
+at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c10::string_view group_name,
+                              int64_t chunks) {
+  const char* op = "gemm_reducescatter";
+  Group g = resolve_group(std::string(group_name), a_in.device(), op);
+  Pipeline p(g, op);
+  const int R = g.size, r = g.rank;
+  std::string err = check_operands(a_in, b_in, "[m, k_r]", "[k_r, n]");
+  if (err.empty() && chunks < 0) err = "chunks must be >= 0 (0 = automatic)";
+  const int64_t m = dim_or(a_in, 0), k = dim_or(a_in, 1), n = dim_or(b_in, 1);
+  if (err.empty() && m % R != 0)
+    err = c10::str("the group size ", R, " must divide m = ", m, " (rows are scattered in equal blocks)");
+  const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
+  const int64_t mb = m >= 0 ? m / R : 0;
+  ChunkModel model;
+  model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
+  model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
+  model.max_chunks = std::max<int64_t>(1, mb);
+  model.dtype = a_in.scalar_type();
+  const int64_t proposal = err.empty() ? p.chunks(chunks, model) : 1;
+  auto all = p.agree({{"m", m}, {"k_r", k, false}, {"n", n}, {"dtype", dtype_code(a_in.scalar_type())},
+                      {"chunks", proposal, false}},
+                     err);
+  const int64_t C = all[0][4];
+
+  const bool half = acc_t != a_in.scalar_type();
+  at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
+  at::Tensor acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
+  if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+  if (R == 1) {
+    at::mm_out(acc_out, half ? a.to(acc_t) : a, b);
+    return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+  }
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t i = 0; i < C; ++i) {
+    auto rg = chunk_range(mb, C, i);
+    if (rg.second > rg.first) ranges.push_back(rg);
+  }
+  // One staging buffer per chunk: [R, rows_i, n], block j = rows of rank j's block (the reduce-scatter input).
+  std::vector<at::Tensor> stage(ranges.size());
+  p.overlap(
+      int64_t(ranges.size()),
+      [&](int64_t i) {
+        auto [lo, hi] = ranges[size_t(i)];
+        const int64_t rows = hi - lo;
+        stage[size_t(i)] = at::empty({R, rows, n}, a.options().dtype(acc_t));
+        for (int j = 0; j < R; ++j) {
+          at::Tensor src = a.narrow(0, j * mb + lo, rows);
+          at::Tensor dst = stage[size_t(i)].select(0, j);
+          at::mm_out(dst, half ? src.to(acc_t) : src, b);
+        }
+        p.publish(stage[size_t(i)]);
+      },
+      [&](int64_t i) {
+        auto [lo, hi] = ranges[size_t(i)];
+        return p.reduce_scatter(stage[size_t(i)], acc_out.narrow(0, lo, hi - lo));
+      },
+      [&](int64_t i) { stage[size_t(i)] = at::Tensor(); },
+      /*depth=*/int(ranges.size()) + 1);
+  (void)r;
+  return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+}
+
+}  // namespace mk::kernels
+
+TORCH_LIBRARY_FRAGMENT(mk, m) {
+  m.def("allgather_gemm(Tensor a, Tensor b, str group_name, bool return_gathered=False, int chunks=0) -> (Tensor, Tensor)");
+  m.def("gemm_allreduce(Tensor a, Tensor b, str group_name, int chunks=0) -> Tensor");
+  m.def("gemm_reducescatter(Tensor a, Tensor b, str group_name, int chunks=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mk, CompositeExplicitAutograd, m) {
+  m.impl("allgather_gemm", &mk::kernels::allgather_gemm);
+  m.impl("gemm_allreduce", &mk::kernels::gemm_allreduce);
+  m.impl("gemm_reducescatter", &mk::kernels::gemm_reducescatter);
+}

@@ -1,0 +1,453 @@
+#include "kernels/pipeline.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "transport/comm.h"
+#include "transport/deadline.h"
+#include "transport/error.h"
+#include "transport/process_group.h"
+
+namespace mk::kernels {
+namespace {
+
+[[noreturn]] void throw_backend(const std::string& msg) {
+  throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg);
+}
+
+uint64_t mix64(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  h ^= h >> 31;
+  h *= 0xbf58476d1ce4e5b9ull;
+  return h ^ (h >> 29);
+}
+
+size_t nbytes(const at::Tensor& t) { return size_t(t.numel()) * t.element_size(); }
+
+// Per-group state shared by the op calls on that group: the op sequence number and the link estimate.
+struct GroupState {
+  uint64_t next_seq = 0;
+  double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
+  double latency = 0;  // seconds per message
+};
+
+std::mutex& states_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<std::pair<std::string, const void*>, GroupState>& states() {
+  static std::map<std::pair<std::string, const void*>, GroupState> s;
+  return s;
+}
+std::pair<std::string, const void*> key_of(const Group& g) { return {g.name, g.backend.get()}; }
+
+void record_link_sample(const std::pair<std::string, const void*>& key, double bytes, double seconds) {
+  if (bytes < double(64 << 10) || seconds <= 0) return;  // small transfers say nothing about bandwidth
+  std::lock_guard<std::mutex> lock(states_mu());
+  auto& s = states()[key];
+  const double bw = bytes / seconds;
+  s.bw = s.bw == 0 ? bw : 0.7 * s.bw + 0.3 * bw;
+}
+
+// Compute rate of ATen's mm on this process for a dtype, measured once (a few ms at most).
+double gemm_flops_per_second(at::ScalarType t, const c10::Device& device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, double> cache;
+  const auto key = std::make_pair(int(t), int(device.type()));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  double rate = device.is_cpu() ? 2e10 : 1e13;
+  if (device.is_cpu()) {
+    auto o = at::TensorOptions().dtype(t);
+    at::Tensor a = at::empty({128, 256}, o).fill_(0.5), b = at::empty({256, 256}, o).fill_(0.25);
+    at::mm(a, b);  // warm up
+    const auto t0 = Clock::now();
+    at::mm(a, b);
+    at::mm(a, b);
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s > 0) rate = 2.0 * 2 * 128 * 256 * 256 / s;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = rate;
+  return rate;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Pending
+
+struct Pending::State {
+  enum class Kind { request, work, lane } kind;
+  std::string what;  // "mk allgather_gemm: rank 0, peer 1: recv (slot 3)"
+  int peer = -1;
+  int rank = 0;
+  std::chrono::milliseconds timeout{0};
+  uint64_t generation = 0;
+  std::vector<at::Tensor> keep;
+  bool waited = false;
+  // request
+  Comm* comm = nullptr;
+  RequestPtr req;
+  bool is_recv = false;
+  // work
+  c10::intrusive_ptr<c10d::Work> work;
+  bool device_wait = false;  // non-CPU: c10d's wait() orders the current stream instead of blocking
+  // lane
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+Pending::~Pending() {
+  if (!state_ || state_->waited) return;
+  try {
+    wait();
+  } catch (...) {
+    // Abandoned after an earlier error: the transfer is finished (or failed) now, which is all we need.
+  }
+}
+
+void Pending::wait() {
+  if (!state_ || state_->waited) return;
+  State& s = *state_;
+  s.waited = true;
+  const Deadline dl = Deadline::after(s.timeout);
+  switch (s.kind) {
+    case State::Kind::request: {
+      try {
+        s.comm->wait(s.req, dl, s.what.c_str(), s.peer);
+      } catch (const MismatchError& e) {
+        throw_backend(e.what());
+      } catch (const Error& e) {
+        // Timeout, peer gone, interrupt: the exchange is torn, so the communicator cannot be trusted (the
+        // same policy as ProcessGroupMK's collectives).
+        if (s.is_recv && !s.req->test()) s.comm->matcher().cancel(s.req, e.what());
+        s.comm->abort(e.what());
+        throw_backend(e.what());
+      }
+      break;
+    }
+    case State::Kind::work: {
+      if (s.device_wait) {
+        if (!s.work->wait(s.timeout)) throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
+        break;
+      }
+      auto pause = std::chrono::microseconds(5);
+      while (!s.work->isCompleted()) {
+        if (cancel_generation().load(std::memory_order_acquire) != s.generation)
+          throw_backend(cat(s.what, ": cancelled by an interrupt"));
+        if (dl.expired()) {
+          try {
+            s.work->abort();
+          } catch (...) {
+          }
+          throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
+        }
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(500));
+      }
+      try {
+        s.work->wait();
+      } catch (const c10::Error& e) {
+        throw_backend(cat(s.what, ": ", e.what_without_backtrace()));
+      } catch (const std::exception& e) {
+        throw_backend(cat(s.what, ": ", e.what()));
+      }
+      break;
+    }
+    case State::Kind::lane: {
+      std::unique_lock<std::mutex> lock(s.mu);
+      while (!s.done) {
+        if (cancel_generation().load(std::memory_order_acquire) != s.generation)
+          throw_backend(cat(s.what, ": cancelled by an interrupt"));
+        if (dl.expired()) throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
+        s.cv.wait_for(lock, std::chrono::milliseconds(5));
+      }
+      if (s.error) {
+        try {
+          std::rethrow_exception(s.error);
+        } catch (const c10::Error& e) {
+          throw_backend(cat(s.what, ": ", e.what_without_backtrace()));
+        } catch (const std::exception& e) {
+          throw_backend(cat(s.what, ": ", e.what()));
+        }
+      }
+      break;
+    }
+  }
+  s.keep.clear();
+}
+
+// ---------------------------------------------------------------- Lane
+
+// A thread that issues mk collectives in order and waits for each, so that ProcessGroupMK's inline path
+// (small collectives run on the calling thread) never blocks the compute thread.
+class Lane {
+ public:
+  Lane() : thread_([this] { loop(); }) {}
+  ~Lane() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void post(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      auto fn = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// ---------------------------------------------------------------- Pipeline
+
+Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op) {
+  std::lock_guard<std::mutex> lock(states_mu());
+  seq_ = states()[key_of(g_)].next_seq++;
+}
+
+Pipeline::~Pipeline() = default;
+
+std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, const std::string& local_error) {
+  fields.push_back({"fused-op call number on this group", int64_t(seq_), true});
+  auto all = kernels::agree(g_, op_, fields, local_error);
+  for (auto& row : all) row.pop_back();
+  return all;
+}
+
+int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
+  const int64_t hi = std::max<int64_t>(1, model.max_chunks);
+  if (requested > 0) return std::min(requested, hi);
+  if (g_.size == 1 || model.comm_bytes <= 0) return 1;
+  // Link estimate: measured (lane collectives on this group) when available, else by transport kind.
+  double bw = 0, lat = 0;
+  {
+    std::lock_guard<std::mutex> lock(states_mu());
+    auto& s = states()[key_of(g_)];
+    bw = s.bw;
+    lat = s.latency;
+  }
+  bool tcp = !g_.is_mk();
+  if (g_.is_mk())
+    for (int p = 0; p < g_.size; ++p) tcp = tcp || std::string(g_.comm().transport_of(p)) == "tcp";
+  if (bw <= 0) bw = !g_.device.is_cpu() ? 2e10 : tcp ? 1e9 : 4e9;
+  if (lat <= 0) lat = !g_.device.is_cpu() ? 2e-5 : tcp ? 6e-5 : 1.5e-5;
+  const double t_comm = model.comm_bytes / bw;
+  const double t_comp = model.flops / gemm_flops_per_second(model.dtype, g_.device);
+  // Total ~ max(tc, tm) + min(tc, tm) / C + C * overhead (per-chunk message latency plus a smaller GEMM's
+  // lost efficiency); minimised at C = sqrt(min / overhead).
+  const double overhead = lat + 3e-5;
+  const double c = std::sqrt(std::min(t_comm, t_comp) / overhead);
+  return std::clamp<int64_t>(int64_t(std::lround(c)), 1, std::min<int64_t>(hi, 16));
+}
+
+Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) {
+  TORCH_CHECK(t.is_contiguous(), "mk ", op_, ": rank ", g_.rank, ": send buffer must be contiguous");
+  TORCH_CHECK(slot < (1u << 20), "mk ", op_, ": slot ", slot, " out of range");
+  const std::string what = cat("mk ", op_, ": send to peer ", peer, " (message ", slot, ")");
+  if (g_.is_mk()) {
+    auto st = std::make_shared<Pending::State>();
+    st->kind = Pending::State::Kind::request;
+    st->what = what;
+    st->peer = peer;
+    st->rank = g_.rank;
+    st->timeout = g_.timeout;
+    st->comm = &g_.comm();
+    st->generation = cancel_generation().load();
+    st->keep = {t};
+    const uint64_t tag = (1ull << 62) | ((seq_ & 0xffffffffffull) << 20) | slot;
+    const uint64_t check = mix64(mix64(0x6d6b6f70, tag), nbytes(t)) | 1;
+    try {
+      st->comm->check_usable(op_);
+      st->req = st->comm->isend(peer, tag, t.data_ptr(), nbytes(t), check);
+    } catch (const Error& e) {
+      throw_backend(e.what());
+    }
+    return Pending(std::move(st));
+  }
+  std::vector<at::Tensor> v{t};
+  const int tag = (1 << 30) | int((seq_ & 0x3ff) << 20) | int(slot);
+  return backend_work(g_.backend->send(v, peer, tag), what.c_str(), peer, {t});
+}
+
+Pending Pipeline::recv(const at::Tensor& t, int peer, uint32_t slot) {
+  TORCH_CHECK(t.is_contiguous(), "mk ", op_, ": rank ", g_.rank, ": recv buffer must be contiguous");
+  TORCH_CHECK(slot < (1u << 20), "mk ", op_, ": slot ", slot, " out of range");
+  const std::string what = cat("mk ", op_, ": recv from peer ", peer, " (message ", slot, ")");
+  if (g_.is_mk()) {
+    auto st = std::make_shared<Pending::State>();
+    st->kind = Pending::State::Kind::request;
+    st->what = what;
+    st->peer = peer;
+    st->rank = g_.rank;
+    st->timeout = g_.timeout;
+    st->comm = &g_.comm();
+    st->is_recv = true;
+    st->generation = cancel_generation().load();
+    st->keep = {t};
+    const uint64_t tag = (1ull << 62) | ((seq_ & 0xffffffffffull) << 20) | slot;
+    const uint64_t check = mix64(mix64(0x6d6b6f70, tag), nbytes(t)) | 1;
+    try {
+      st->comm->check_usable(op_);
+      st->req = st->comm->irecv(peer, tag, t.data_ptr(), nbytes(t), check);
+    } catch (const Error& e) {
+      throw_backend(e.what());
+    }
+    return Pending(std::move(st));
+  }
+  std::vector<at::Tensor> v{t};
+  const int tag = (1 << 30) | int((seq_ & 0x3ff) << 20) | int(slot);
+  return backend_work(g_.backend->recv(v, peer, tag), what.c_str(), peer, {t});
+}
+
+Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* what, int peer,
+                               std::vector<at::Tensor> keep) {
+  auto st = std::make_shared<Pending::State>();
+  st->kind = Pending::State::Kind::work;
+  st->what = cat(what, " (rank ", g_.rank, ", ", g_.backend_name(), ")");
+  st->peer = peer;
+  st->rank = g_.rank;
+  st->timeout = g_.timeout;
+  st->work = std::move(work);
+  st->device_wait = !g_.device.is_cpu();
+  st->generation = cancel_generation().load();
+  st->keep = std::move(keep);
+  return Pending(std::move(st));
+}
+
+Pending Pipeline::lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()> issue, const char* what,
+                                  std::vector<at::Tensor> keep) {
+  auto st = std::make_shared<Pending::State>();
+  st->kind = Pending::State::Kind::lane;
+  st->what = cat("mk ", op_, ": rank ", g_.rank, ": ", what);
+  st->rank = g_.rank;
+  st->timeout = g_.timeout;
+  st->generation = cancel_generation().load();
+  size_t bytes = 0;
+  for (auto& t : keep) bytes += nbytes(t);
+  st->keep = std::move(keep);
+  if (!lane_) lane_ = std::make_unique<Lane>();
+  auto timeout = g_.timeout;
+  auto key = key_of(g_);
+  lane_->post([st, issue = std::move(issue), timeout, key, bytes] {
+    std::exception_ptr err;
+    const auto t0 = Clock::now();
+    try {
+      issue()->wait(timeout);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    if (!err) record_link_sample(key, double(bytes), std::chrono::duration<double>(Clock::now() - t0).count());
+    {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->error = err;
+      st->done = true;
+    }
+    st->cv.notify_all();
+  });
+  return Pending(std::move(st));
+}
+
+Pending Pipeline::allreduce(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), "mk ", op_, ": allreduce buffer must be contiguous");
+  auto backend = g_.backend;
+  auto issue = [backend, t] {
+    std::vector<at::Tensor> v{t};
+    return backend->allreduce(v, c10d::AllreduceOptions());
+  };
+  if (g_.is_mk()) return lane_collective(issue, "allreduce", {t});
+  return backend_work(issue(), cat("mk ", op_, ": allreduce").c_str(), -1, {t});
+}
+
+Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
+  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": reduce_scatter buffers must be contiguous");
+  auto backend = g_.backend;
+  auto issue = [backend, in, out] {
+    at::Tensor i = in, o = out;
+    return backend->_reduce_scatter_base(o, i, c10d::ReduceScatterOptions());
+  };
+  if (g_.is_mk()) return lane_collective(issue, "reduce_scatter", {in, out});
+  return backend_work(issue(), cat("mk ", op_, ": reduce_scatter").c_str(), -1, {in, out});
+}
+
+Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {
+  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": allgather buffers must be contiguous");
+  auto backend = g_.backend;
+  auto issue = [backend, in, out] {
+    at::Tensor i = in, o = out;
+    return backend->_allgather_base(o, i, c10d::AllgatherOptions());
+  };
+  if (g_.is_mk()) return lane_collective(issue, "allgather", {in, out});
+  return backend_work(issue(), cat("mk ", op_, ": allgather").c_str(), -1, {in, out});
+}
+
+Pending Pipeline::alltoall(const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
+                           std::vector<int64_t> in_splits) {
+  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": alltoall buffers must be contiguous");
+  auto backend = g_.backend;
+  auto issue = [backend, in, out, out_splits, in_splits] {
+    at::Tensor i = in, o = out;
+    auto os = out_splits, is = in_splits;
+    return backend->alltoall_base(o, i, os, is, c10d::AllToAllOptions());
+  };
+  if (g_.is_mk()) return lane_collective(issue, "alltoall", {in, out});
+  return backend_work(issue(), cat("mk ", op_, ": alltoall").c_str(), -1, {in, out});
+}
+
+void Pipeline::publish(const at::Tensor& t) {
+  if (t.device().is_cpu() || g_.backend_name() == "nccl") return;
+  c10::impl::VirtualGuardImpl guard(t.device().type());
+  c10::Event ev(t.device().type());
+  ev.record(guard.getStream(t.device()));
+  ev.synchronize();
+}
+
+std::pair<int64_t, int64_t> chunk_range(int64_t n, int64_t chunks, int64_t i) {
+  const int64_t base = n / chunks, extra = n % chunks;
+  const int64_t begin = i * base + std::min(i, extra);
+  return {begin, begin + base + (i < extra ? 1 : 0)};
+}
+
+at::ScalarType accumulate_type(at::ScalarType t) {
+  return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
+}
+
+}  // namespace mk::kernels

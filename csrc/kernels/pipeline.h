@@ -1,0 +1,164 @@
+// The pipeline scheduler every fused operator runs on: split the work into chunks, compute chunk i with
+// ATen on the caller's thread (and the caller's current stream on an accelerator) while the communication
+// of chunk i-1 is in flight.
+//
+// One interface, two engines behind it, picked from the group's backend for the tensors' device:
+//   mk      point-to-point goes straight to the transport (Comm::isend/irecv, completed by the providers'
+//           progress threads, in a tag space private to fused ops, no staging copies); collectives on
+//           (sub-)buffers go to ProcessGroupMK's own algorithms (shm segments, rings), issued from a
+//           communication lane thread owned by the pipeline so they never run inline on the compute thread.
+//   other   (gloo; nccl on CUDA) the backend's own asynchronous c10d calls (send/recv/allreduce/...); the
+//           pipeline waits on their c10d::Work.
+// Device-generic: on a non-CPU device, publish() orders the communication after the compute already
+// issued on the caller's stream (c10::Event through the device's guard implementation; NCCL orders by
+// itself), so this file needs no CUDA headers.
+//
+// Waits honour the group timeout and the process-wide cancel generation (superkernel's interrupt,
+// mk::cancel_all): every wait that started before an interrupt fails with an error naming rank, op and peer.
+// A transport failure (timeout, peer gone, interrupt) aborts the mk communicator as ProcessGroupMK does.
+//
+// Usage (an op in outline):
+//   Group g = resolve_group(group_name, a.device(), "my_op");
+//   Pipeline p(g, "my_op");
+//   auto all = p.agree({{"m", m}, {"k", k}, {"chunks", p.chunks(requested, model), false}}, local_error);
+//   int64_t chunks = all[0][2];            // every rank proceeded (or every rank threw); rank 0's proposal
+//   p.overlap(chunks, [&](int64_t i) { ...compute chunk i... },
+//                     [&](int64_t i) { return p.allreduce(c_i); },
+//                     [&](int64_t i) { ...chunk i's communication is complete... });
+// Ring algorithms call send/recv with a `slot` (unique per message of this op call between one pair).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/group.h"
+
+namespace c10d {
+class Work;
+}
+
+namespace mk::kernels {
+
+class Lane;
+
+// One asynchronous communication of a pipeline. Move-only; wait() once (later calls return at once).
+// Keeps the tensors it reads or writes alive until it completed.
+class Pending {
+ public:
+  struct State;
+  Pending() = default;
+  explicit Pending(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  Pending(Pending&&) noexcept = default;
+  Pending& operator=(Pending&&) noexcept = default;
+  Pending(const Pending&) = delete;
+  Pending& operator=(const Pending&) = delete;
+  ~Pending();
+
+  bool valid() const { return state_ != nullptr; }
+  // Block until complete. Throws c10::DistBackendError naming rank, op and peer on failure, timeout or
+  // interrupt.
+  void wait();
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Cost model inputs for the automatic chunk count.
+struct ChunkModel {
+  double comm_bytes = 0;   // bytes this rank sends over the whole op
+  double flops = 0;        // this rank's compute, in floating point operations
+  int64_t max_chunks = 1;  // upper bound (e.g. rows available to split)
+  at::ScalarType dtype = at::kFloat;
+};
+
+class Pipeline {
+ public:
+  Pipeline(const Group& g, const char* op);
+  ~Pipeline();  // waits for (and discards errors of) anything still outstanding
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  const Group& group() const { return g_; }
+  const char* op() const { return op_; }
+  int rank() const { return g_.rank; }
+  int size() const { return g_.size; }
+  // Sequence number of this op call on this group (the same on every rank; part of agree()'s descriptor).
+  uint64_t seq() const { return seq_; }
+
+  // group.h's agree() with the op's sequence number added, so ranks that called different fused ops (or a
+  // different number of them) fail instead of exchanging the wrong messages.
+  std::vector<std::vector<int64_t>> agree(std::vector<Field> fields, const std::string& local_error);
+
+  // This rank's proposal for the chunk count: `requested` > 0 wins (clamped to [1, max_chunks]); 0 picks
+  // one from the model, the measured compute rate and the group's link estimate (measured on this group's
+  // earlier pipelined collectives, else by transport kind: shm, tcp, accelerator). Local (no communication):
+  // ranks may propose different counts, so pass it to agree() as a field with must_match = false and use
+  // rank 0's value (all[0][i]) — that makes the count the same on every rank.
+  int64_t chunks(int64_t requested, const ChunkModel& model);
+
+  // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.
+  Pending send(const at::Tensor& t, int peer, uint32_t slot);
+  Pending recv(const at::Tensor& t, int peer, uint32_t slot);
+
+  // Collectives (sum) on contiguous (sub-)tensors, run in issue order, asynchronously.
+  Pending allreduce(const at::Tensor& t);
+  Pending reduce_scatter(const at::Tensor& in, const at::Tensor& out);  // in: R x out.numel()
+  Pending allgather(const at::Tensor& in, const at::Tensor& out);       // out: R x in.numel()
+  // Rows of dim 0 split per peer (empty splits = even).
+  Pending alltoall(const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
+                   std::vector<int64_t> in_splits);
+
+  // Make what the caller's stream computed into `t` visible to communication issued after this call.
+  // No-op on CPU and for stream-aware backends (nccl).
+  void publish(const at::Tensor& t);
+
+  // The canonical overlap loop: for i in [0, n): compute(i); publish; comm(i) starts (returns a Pending);
+  // then the oldest outstanding chunk is finished once more than `depth` - 1 are in flight, so comm(i)
+  // overlaps compute(i+1). finish(i) runs in order after chunk i's Pending completed.
+  template <typename Compute, typename Communicate, typename Finish>
+  void overlap(int64_t n, Compute compute, Communicate communicate, Finish finish, int depth = 2) {
+    std::deque<std::pair<int64_t, Pending>> inflight;
+    for (int64_t i = 0; i < n; ++i) {
+      compute(i);
+      inflight.emplace_back(i, communicate(i));
+      while (int64_t(inflight.size()) >= depth) {
+        auto [j, pend] = std::move(inflight.front());
+        inflight.pop_front();
+        pend.wait();
+        finish(j);
+      }
+    }
+    while (!inflight.empty()) {
+      auto [j, pend] = std::move(inflight.front());
+      inflight.pop_front();
+      pend.wait();
+      finish(j);
+    }
+  }
+
+ private:
+  Pending lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()> issue, const char* what,
+                          std::vector<at::Tensor> keep);
+  Pending backend_work(c10::intrusive_ptr<c10d::Work> work, const char* what, int peer, std::vector<at::Tensor> keep);
+
+  Group g_;
+  const char* op_;
+  uint64_t seq_;
+  std::unique_ptr<Lane> lane_;
+};
+
+// [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
+// parts get one more; parts are empty when chunks > n).
+std::pair<int64_t, int64_t> chunk_range(int64_t n, int64_t chunks, int64_t i);
+
+// The fp32 type partial results are accumulated in for `t` (float for half types, t otherwise).
+at::ScalarType accumulate_type(at::ScalarType t);
+
+}  // namespace mk::kernels

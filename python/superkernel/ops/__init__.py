@@ -1,0 +1,17 @@
+"""``superkernel.ops`` (``mk`` in every rank's namespace): Python face of the fused ``torch.ops.mk.*``
+operators, which overlap a matrix product or attention with the collective it feeds.
+
+The C++ ops are registered when ``superkernel._C`` loads; importing this package also registers their fake
+kernels (for ``torch.compile``). Each wrapper takes a ``torch.distributed`` ProcessGroup (None = the default
+group) and passes its ``group_name`` to the op.
+
+Modules: ``gemm`` (allgather_gemm, gemm_allreduce, gemm_reducescatter); ``moe`` and ``attention`` when
+present; ``group_names`` (group <-> name).
+"""
+from __future__ import annotations
+
+from superkernel import _C as _C  # noqa: F401  (loading the extension registers torch.ops.mk.*)
+from superkernel.ops.gemm import allgather_gemm, gemm_allreduce, gemm_reducescatter
+from superkernel.ops.group_names import group_name
+
+__all__ = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "group_name"]
