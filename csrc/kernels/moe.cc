@@ -35,12 +35,12 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "kernels/exchange.h"
+#include "kernels/group.h"
+#include "kernels/pipeline.h"
 
 namespace mk::kernels {
 namespace {
@@ -52,30 +52,14 @@ bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16
 
 at::Tensor longs(const std::vector<int64_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); }
 
-// Agree on `desc` (entry 0: this rank's error code, 0 = fine) with every rank; throw on every rank if any
-// rank had a problem or any entry named in `names` differs. Returns every rank's description.
-at::Tensor agree(Exchange& ex, const std::vector<int64_t>& desc, const std::vector<const char*>& names,
-                 const std::string& local_problem, const std::function<std::string(int, const int64_t*)>& explain) {
-  const at::Tensor all = ex.allgather(longs(desc));
-  const auto A = all.accessor<int64_t, 2>();
-  TORCH_CHECK(local_problem.empty(), "mk ", ex.op(), ": rank ", ex.rank(), ": ", local_problem);
-  for (int r = 0; r < ex.size(); ++r)
-    TORCH_CHECK(A[r][0] == 0, "mk ", ex.op(), ": rank ", ex.rank(), ": rank ", r, " ", explain(r, &A[r][0]));
-  for (int r = 0; r < ex.size(); ++r)
-    for (size_t i = 1; i < names.size(); ++i)
-      TORCH_CHECK(A[r][int64_t(i)] == desc[i], "mk ", ex.op(), ": rank ", ex.rank(), ": ", names[i],
-                  " disagrees across ranks (rank ", ex.rank(), ": ", desc[i], ", rank ", r, ": ", A[r][int64_t(i)],
-                  "); every rank must pass the same");
-  return all;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tensor& x, const at::Tensor& topk_ids,
                                                                  const at::Tensor& w, c10::string_view group_name) {
-  Exchange ex(std::string(group_name), "moe_dispatch_gemm", x.device());
-  const int R = ex.size(), me = ex.rank();
+  const char* op = "moe_dispatch_gemm";
+  const Group g = resolve_group(std::string(group_name), x.device(), op);
+  Pipeline p(g, op);
+  const int R = p.size(), me = p.rank();
 
   std::string problem;
-  int64_t code = 0, bad_id = 0;
   if (x.dim() != 2 || topk_ids.dim() != 2 || w.dim() != 3)
     problem = c10::str("expected x [t, h], topk_ids [t, k], w [E_r, h, f]; got ", x.sizes(), ", ", topk_ids.sizes(),
                        ", ", w.sizes());
@@ -90,7 +74,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
     problem = c10::str("topk_ids must be int64 or int32, got ", topk_ids.scalar_type());
   else if (w.size(0) == 0)
     problem = "this rank owns no experts (w has E_r = 0)";
-  if (!problem.empty()) code = 1;
   at::Tensor ids;
   const int64_t E = problem.empty() ? w.size(0) * R : 0;
   if (problem.empty()) {
@@ -98,28 +81,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
     if (ids.numel()) {
       const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
       if (lo < 0 || hi >= E) {
-        bad_id = lo < 0 ? lo : hi;
-        code = 2;
-        problem = c10::str("expert id ", bad_id, " is out of range [0, ", E, ") (", R, " ranks x ", w.size(0),
+        problem = c10::str("expert id ", lo < 0 ? lo : hi, " is out of range [0, ", E, ") (", R, " ranks x ", w.size(0),
                            " experts each)");
       }
     }
   }
   const bool ok = problem.empty();
-  agree(ex,
-        {code, bad_id, ok ? w.size(0) : -1, ok ? x.size(1) : -1, ok ? w.size(2) : -1, int64_t(x.scalar_type())},
-        {"error", "", "experts per rank (w.size(0))", "hidden size", "expert output size (w.size(2))", "dtype"},
-        problem, [&](int, const int64_t* d) {
-          return d[0] == 2 ? c10::str("passed expert id ", d[1], ", which is out of range")
-                           : std::string("was given invalid inputs (its error names the problem)");
-        });
+  p.agree({{"experts per rank (w.size(0))", ok ? w.size(0) : -1}, {"hidden size", ok ? x.size(1) : -1},
+           {"expert output size (w.size(2))", ok ? w.size(2) : -1}, {"dtype", dtype_code(x.scalar_type())}},
+          problem);
 
   const int64_t t = x.size(0), K = topk_ids.size(1), Er = w.size(0), h = x.size(1), f = w.size(2);
   // Route: rows in (global expert, token, choice) order, and how many go to each expert.
   at::Tensor perm = at::argsort(ids, /*stable=*/true);
   at::Tensor counts = at::bincount(ids, {}, E);
   at::Tensor routed = x.index_select(0, perm.div(K, "floor"));  // [t·K, h], contiguous
-  const at::Tensor C = ex.allgather(counts);                       // [R, E]: rows rank s sends to expert e
+  const at::Tensor C = at::empty({R, E}, counts.options());        // [R, E]: rows rank s sends to expert e
+  p.allgather(counts, C.view({-1})).wait();  // flat: Gloo splits the output like the input
   const auto Ca = C.accessor<int64_t, 2>();
   auto from = [&](int s, int64_t e) { return Ca[s][me * Er + e]; };  // rows from s for my expert e
 
@@ -143,14 +121,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
       remote_rows += n_from[size_t(s)];
     }
   at::Tensor inbox = at::empty({remote_rows, h}, x.options());
-  std::vector<std::optional<size_t>> rx(static_cast<size_t>(R)), tx(static_cast<size_t>(R));
+  std::vector<Pending> rx(static_cast<size_t>(R)), tx(static_cast<size_t>(R));
   for (int i = 1; i < R; ++i) {
     const int s = (me - i + R) % R;
-    if (n_from[size_t(s)]) rx[size_t(s)] = ex.recv(s, inbox.narrow(0, off_from[size_t(s)], n_from[size_t(s)]), 0);
+    if (n_from[size_t(s)]) rx[size_t(s)] = p.recv(inbox.narrow(0, off_from[size_t(s)], n_from[size_t(s)]), s, 0);
   }
   for (int i = 1; i < R; ++i) {
     const int d = (me + i) % R;
-    if (n_to[size_t(d)]) tx[size_t(d)] = ex.send(d, routed.narrow(0, off_to[size_t(d)], n_to[size_t(d)]), 0);
+    if (n_to[size_t(d)]) tx[size_t(d)] = p.send(routed.narrow(0, off_to[size_t(d)], n_to[size_t(d)]), d, 0);
   }
 
   // Multiply each arriving block, expert by expert, into y at (local expert, source) order.
@@ -179,11 +157,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   multiply(me, routed.narrow(0, off_to[size_t(me)], n_to[size_t(me)]));
   for (int i = 1; i < R; ++i) {
     const int s = (me - i + R) % R;
-    if (!rx[size_t(s)]) continue;
-    ex.wait(*rx[size_t(s)]);
+    if (!rx[size_t(s)].valid()) continue;
+    rx[size_t(s)].wait();
     multiply(s, inbox.narrow(0, off_from[size_t(s)], n_from[size_t(s)]));
   }
-  ex.wait_all();
+  for (auto& t : tx)
+    if (t.valid()) t.wait();
 
   std::vector<int64_t> head = {kMagic, R, me, Er, t, K, n_recv, h};
   at::Tensor handle = at::cat({longs(head), C.narrow(1, me * Er, Er).reshape({-1}), counts, perm});
@@ -221,8 +200,10 @@ std::string parse_handle(const at::Tensor& handle, int R, int me, Routing& out) 
 
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::Tensor& topk_weights,
                        c10::string_view group_name) {
-  Exchange ex(std::string(group_name), "moe_combine", y.device());
-  const int R = ex.size(), me = ex.rank();
+  const char* op = "moe_combine";
+  const Group g = resolve_group(std::string(group_name), y.device(), op);
+  Pipeline p(g, op);
+  const int R = p.size(), me = p.rank();
   Routing rt{};
   std::string problem = parse_handle(handle, R, me, rt);
   if (problem.empty()) {
@@ -237,9 +218,9 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
       problem = c10::str("topk_weights must be floating point, got ", topk_weights.scalar_type());
   }
   const bool ok = problem.empty();
-  agree(ex, {ok ? 0 : 1, ok ? rt.Er : -1, ok && y.dim() == 2 ? y.size(1) : -1, int64_t(y.scalar_type())},
-        {"error", "experts per rank", "expert output size (y.size(1))", "dtype"}, problem,
-        [](int, const int64_t*) { return std::string("was given invalid inputs (its error names the problem)"); });
+  p.agree({{"experts per rank", ok ? rt.Er : -1}, {"expert output size (y.size(1))", ok ? y.size(1) : -1},
+           {"dtype", dtype_code(y.scalar_type())}},
+          problem);
 
   const int64_t Er = rt.Er, f = y.size(1), t = rt.t, K = rt.K;
   const auto rc = rt.recv_counts.accessor<int64_t, 2>();
@@ -274,14 +255,14 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
       remote_rows += n_home[size_t(d)];
     }
   at::Tensor inbox = at::empty({remote_rows, f}, y.options());
-  std::vector<std::optional<size_t>> rx(static_cast<size_t>(R));
+  std::vector<Pending> rx(static_cast<size_t>(R)), tx(static_cast<size_t>(R));
   for (int i = 1; i < R; ++i) {
     const int d = (me + i) % R;  // the ranks our rows went to send them back
-    if (n_home[size_t(d)]) rx[size_t(d)] = ex.recv(d, inbox.narrow(0, off_in[size_t(d)], n_home[size_t(d)]), 0);
+    if (n_home[size_t(d)]) rx[size_t(d)] = p.recv(inbox.narrow(0, off_in[size_t(d)], n_home[size_t(d)]), d, 0);
   }
   for (int i = 1; i < R; ++i) {
     const int s = (me - i + R) % R;
-    if (n_back[size_t(s)]) ex.send(s, rows_for(s), 0);
+    if (n_back[size_t(s)]) tx[size_t(s)] = p.send(rows_for(s), s, 0);
   }
 
   at::Tensor acc = at::zeros({t * K, f}, y.options().dtype(at::kFloat));
@@ -289,16 +270,17 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
   auto place = [&](int d, const at::Tensor& block) {
     if (block.size(0) == 0) return;
     const at::Tensor idx = rt.perm.narrow(0, off_home[size_t(d)], n_home[size_t(d)]);
-    acc.index_copy_(0, idx, block.to(at::kFloat).mul_(wflat.index_select(0, idx).unsqueeze(1)));
+    acc.index_copy_(0, idx, block.to(at::kFloat) * wflat.index_select(0, idx).unsqueeze(1));  // never in place: y is the caller's
   };
   place(me, rows_for(me));
   for (int i = 1; i < R; ++i) {
     const int d = (me + i) % R;
-    if (!rx[size_t(d)]) continue;
-    ex.wait(*rx[size_t(d)]);
+    if (!rx[size_t(d)].valid()) continue;
+    rx[size_t(d)].wait();
     place(d, inbox.narrow(0, off_in[size_t(d)], n_home[size_t(d)]));
   }
-  ex.wait_all();
+  for (auto& t : tx)
+    if (t.valid()) t.wait();
   return acc.view({t, K, f}).sum(1).to(y.scalar_type());
 }
 

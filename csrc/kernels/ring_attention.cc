@@ -21,7 +21,6 @@
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/stack.h>
-#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -33,7 +32,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/exchange.h"
+#include "kernels/group.h"
+#include "kernels/pipeline.h"
 
 namespace mk::kernels {
 namespace {
@@ -89,11 +89,12 @@ void attend_merge(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   c10::string_view group_name, bool causal, std::optional<double> scale,
                                                   bool zigzag) {
-  Exchange ex(std::string(group_name), kOp, q.device());
-  const int R = ex.size(), me = ex.rank();
+  const Group grp = resolve_group(std::string(group_name), q.device(), kOp);
+  Pipeline p(grp, kOp);
+  const int R = p.size(), me = p.rank();
 
-  // What this rank was given, and whether it is usable; every rank checks every rank's description, so a
-  // disagreement fails everywhere at the same point, before any data moves.
+  // Every rank checks its own arguments and every rank's description, so a bad or mismatched call fails on
+  // every rank at the same point, before any data moves.
   std::string local_problem;
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
     local_problem = c10::str("q, k, v must be 4-d [batch, heads, seq, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
@@ -111,26 +112,14 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     local_problem = c10::str("zigzag layout needs an even local sequence length, got ", q.size(2));
   const bool ok = local_problem.empty();
   const double sc = scale.value_or(ok && q.size(3) > 0 ? 1.0 / std::sqrt(double(q.size(3))) : 1.0);
-  double sc_bits_src = sc;
   int64_t sc_bits = 0;
   static_assert(sizeof(double) == sizeof(int64_t));
-  std::memcpy(&sc_bits, &sc_bits_src, sizeof sc_bits);
-  std::vector<int64_t> desc = {ok ? 0 : 1,
-                               ok ? q.size(0) : -1, ok ? q.size(1) : -1, ok ? k.size(1) : -1, ok ? q.size(2) : -1,
-                               ok ? q.size(3) : -1, int64_t(q.scalar_type()), causal, zigzag, sc_bits};
-  static const char* names[] = {"error", "batch", "query heads", "kv heads", "local sequence", "head_dim",
-                                "dtype", "causal", "zigzag", "scale"};
-  const at::Tensor all = ex.allgather(at::tensor(desc, at::TensorOptions().dtype(at::kLong)));
-  const auto A = all.accessor<int64_t, 2>();
-  TORCH_CHECK(ok, "mk ", kOp, ": rank ", me, ": ", local_problem);
-  for (int r = 0; r < R; ++r) {
-    TORCH_CHECK(A[r][0] == 0, "mk ", kOp, ": rank ", me, ": rank ", r,
-                " was given invalid inputs (its error names the problem)");
-    for (size_t i = 1; i < desc.size(); ++i)
-      TORCH_CHECK(A[r][int64_t(i)] == desc[i], "mk ", kOp, ": rank ", me, ": ", names[i],
-                  " disagrees across ranks (rank ", me, ": ", desc[i], ", rank ", r, ": ", A[r][int64_t(i)],
-                  "); every rank must pass the same shapes and options");
-  }
+  std::memcpy(&sc_bits, &sc, sizeof sc_bits);
+  auto dim = [&](const at::Tensor& t, int64_t i) { return ok ? t.size(i) : -1; };
+  p.agree({{"batch", dim(q, 0)}, {"query heads", dim(q, 1)}, {"kv heads", dim(k, 1)}, {"local sequence", dim(q, 2)},
+           {"head_dim", dim(q, 3)}, {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
+           {"scale (bits of the double)", sc_bits}},
+          local_problem);
 
   const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), s = q.size(2), d = q.size(3), g = hq / hkv;
   auto f32 = q.options().dtype(at::kFloat);
@@ -145,10 +134,10 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   const int right = (me + 1) % R, left = (me - 1 + R) % R;
   for (int step = 0; step < R; ++step) {
     const int src = (me - step + R) % R;
-    std::optional<size_t> sent, received;
+    Pending sent, received;
     if (step + 1 < R && s > 0) {
-      sent = ex.send(right, cur, uint32_t(step));
-      received = ex.recv(left, nxt, uint32_t(step));
+      sent = p.send(cur, right, uint32_t(step));
+      received = p.recv(nxt, left, uint32_t(step));
     }
     const auto their_chunks = chunks_of(src, R, s, zigzag);
     at::Tensor kb, vb;
@@ -166,9 +155,9 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
                      sc, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
       }
     }
-    if (sent) {
-      ex.wait(*sent);
-      ex.wait(*received);
+    if (sent.valid()) {
+      sent.wait();
+      received.wait();
       std::swap(cur, nxt);
     }
   }
