@@ -45,14 +45,17 @@ TwoHosts, run_torch_job, unavailable_reason = hosts_mod.TwoHosts, hosts_mod.run_
 DEFAULT_ARGS = ["--max-bytes", "16M", "--factor", "4", "--time", "0.2"]
 
 
-def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path, timeout: float) -> Path | None:
+def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path, timeout: float,
+             script: str = "collectives.py") -> Path | None:
     label = rate or "none"
     tag = f"netns-{label}-2x{nproc}"
     desc = f"2 netns hosts x {nproc}, veth {'tbf ' + rate if rate else 'unshaped'}"
-    args = [*bench_args, "--out-dir", str(out_dir), "--tag", tag, "--hosts-desc", desc, "--backends", "mk,gloo"]
+    args = [*bench_args, "--out-dir", str(out_dir), "--tag", tag, "--hosts-desc", desc]
+    if script == "collectives.py":
+        args += ["--backends", "mk,gloo"]
     print(f"\n######## {desc}", flush=True)
     with TwoHosts(rate=rate) as hosts:
-        results = run_torch_job(hosts, str(HERE / "collectives.py"), args, nproc_per_host=nproc, timeout=timeout)
+        results = run_torch_job(hosts, str(HERE / script), args, nproc_per_host=nproc, timeout=timeout)
     head = results[0]
     print(head.stdout, end="", flush=True)
     if any(r.timed_out or r.returncode != 0 for r in results):
@@ -60,7 +63,7 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
             print(r.describe(), file=sys.stderr)
         print(f"######## {desc}: FAILED (see stderr)", flush=True)
         return None
-    return out_dir / f"collectives-{tag}.json"
+    return out_dir / f"{'collectives' if script == 'collectives.py' else 'fused'}-{tag}.json"
 
 
 def summary(paths: dict[str, Path]) -> str:
@@ -88,6 +91,8 @@ def main() -> int:
     parser.add_argument("--nproc-per-host", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate before the job is killed")
     parser.add_argument("--out-dir", default=str(HERE / "results"))
+    parser.add_argument("--script", default="collectives.py", choices=["collectives.py", "fused_ops.py"],
+                        help="benchmark to run on the two hosts (fused_ops.py: fused ops vs unfused; no summary)")
     parser.add_argument("bench_args", nargs="*", help="options for bench/collectives.py (after --); default: "
                         + " ".join(DEFAULT_ARGS))
     args = parser.parse_args()
@@ -95,14 +100,15 @@ def main() -> int:
     if reason:
         print(f"bench/netns.py: cannot make two hosts: {reason}", file=sys.stderr)
         return 2
-    bench_args = args.bench_args or DEFAULT_ARGS
+    bench_args = args.bench_args or (DEFAULT_ARGS if args.script == "collectives.py" else [])
     out_dir = Path(args.out_dir)
     done: dict[str, Path] = {}
     for rate in [r.strip() for r in args.rates.split(",") if r.strip()]:
-        path = run_rate(None if rate == "none" else rate, args.nproc_per_host, bench_args, out_dir, args.timeout)
+        path = run_rate(None if rate == "none" else rate, args.nproc_per_host, bench_args, out_dir, args.timeout,
+                        args.script)
         if path is not None:
             done[rate] = path
-    if done:
+    if done and args.script == "collectives.py":
         print(summary(done), flush=True)
     return 0 if len(done) == len([r for r in args.rates.split(",") if r.strip()]) else 1
 

@@ -107,6 +107,7 @@ struct Pending::State {
   // work
   c10::intrusive_ptr<c10d::Work> work;
   bool device_wait = false;  // non-CPU: c10d's wait() orders the current stream instead of blocking
+  bool pollable = true;      // isCompleted() reports completion (c10d collectives; not Gloo's send/recv)
   // lane
   std::mutex mu;
   std::condition_variable cv;
@@ -122,6 +123,8 @@ Pending::~Pending() {
     // Abandoned after an earlier error: the transfer is finished (or failed) now, which is all we need.
   }
 }
+
+void Pending::set_pollable(bool p) { state_->pollable = p; }
 
 void Pending::wait() {
   if (!state_ || state_->waited) return;
@@ -144,8 +147,19 @@ void Pending::wait() {
       break;
     }
     case State::Kind::work: {
-      if (s.device_wait) {
-        if (!s.work->wait(s.timeout)) throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
+      if (s.device_wait || !s.pollable) {
+        // Stream-ordered waits (accelerators), and works whose isCompleted() never turns true (Gloo's
+        // send/recv and reduce_scatter): wait inside the backend, bounded by the group timeout (an interrupt
+        // cannot cut it short there; it does cut the polling wait below).
+        try {
+          if (!s.work->wait(s.timeout)) throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
+        } catch (const c10::DistBackendError&) {
+          throw;
+        } catch (const c10::Error& e) {
+          throw_backend(cat(s.what, ": ", e.what_without_backtrace()));
+        } catch (const std::exception& e) {
+          throw_backend(cat(s.what, ": ", e.what()));
+        }
         break;
       }
       auto pause = std::chrono::microseconds(5);
@@ -348,6 +362,8 @@ Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* 
   st->timeout = g_.timeout;
   st->work = std::move(work);
   st->device_wait = !g_.device.is_cpu();
+  // Only c10d works known to report completion are polled; Gloo's send/recv and reduce_scatter works never do.
+  st->pollable = false;
   st->generation = cancel_generation().load();
   st->keep = std::move(keep);
   return Pending(std::move(st));
@@ -394,14 +410,16 @@ Pending Pipeline::allreduce(const at::Tensor& t) {
     return backend->allreduce(v, c10d::AllreduceOptions());
   };
   if (g_.is_mk()) return lane_collective(issue, "allreduce", {t});
-  return backend_work(issue(), cat("mk ", op_, ": allreduce").c_str(), -1, {t});
+  auto pend = backend_work(issue(), cat("mk ", op_, ": allreduce").c_str(), -1, {t});
+  pend.set_pollable(true);  // Gloo's and NCCL's allreduce works report completion
+  return pend;
 }
 
 Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": reduce_scatter buffers must be contiguous");
   auto backend = g_.backend;
   auto issue = [backend, in, out] {
-    at::Tensor i = in, o = out;
+    at::Tensor i = in.view({-1}), o = out.view({-1});  // flat: Gloo compares shapes dimension by dimension
     return backend->_reduce_scatter_base(o, i, c10d::ReduceScatterOptions());
   };
   if (g_.is_mk()) return lane_collective(issue, "reduce_scatter", {in, out});
@@ -412,7 +430,7 @@ Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": allgather buffers must be contiguous");
   auto backend = g_.backend;
   auto issue = [backend, in, out] {
-    at::Tensor i = in, o = out;
+    at::Tensor i = in.view({-1}), o = out.view({-1});
     return backend->_allgather_base(o, i, c10d::AllgatherOptions());
   };
   if (g_.is_mk()) return lane_collective(issue, "allgather", {in, out});

@@ -65,6 +65,9 @@ class Pending {
   // Block until complete. Throws c10::DistBackendError naming rank, op and peer on failure, timeout or
   // interrupt.
   void wait();
+  // Whether wait() may poll c10d's Work::isCompleted (and so honour interrupts) or must block in
+  // Work::wait (bounded by the group timeout). Set by the Pipeline.
+  void set_pollable(bool p);
 
  private:
   std::shared_ptr<State> state_;

@@ -1,0 +1,199 @@
+"""Fused compute+communication operators (torch.ops.mk.*) against their unfused composition, in one run.
+
+    torchrun --nproc-per-node 2 bench/fused_ops.py                       # every registered case, mk backend
+    torchrun --nproc-per-node 2 bench/fused_ops.py --ops gemm_allreduce --shapes 1024x1024x1024
+    torchrun --nproc-per-node 2 bench/fused_ops.py --backend gloo        # the same ops over Gloo
+    python bench/netns.py --rates 1gbit --script fused_ops.py -- --shapes 1024x768x1024   # two hosts
+
+For each case (an op at one shape): the fused op; the unfused composition (the same backend's collective
+and ATen's matmul back to back); the computation alone; the communication alone. ideal = max(compute,
+comm) is what perfect overlap would reach. Columns: op, shape, fused ms, unfused ms, speedup
+(unfused / fused), ideal ms, fused/ideal. Times are averages per call over the timed iterations, maximum over
+ranks (the slowest rank decides). Results go to bench/results/fused-<tag>.json and .png.
+
+Cases come from a registry (bench/fused_registry.py): every module bench/fused_cases_*.py registers
+factories with ``@register`` (see bench/fused_cases_gemm.py); a factory receives the Context and returns Case objects. Adding an op
+family means adding one such module; this file needs no change. A benchmark, not a test: it asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from fused_registry import REGISTRY, Context  # noqa: E402
+
+
+def load_case_modules() -> list[str]:
+    """Import every bench/fused_cases_*.py (each registers its factories)."""
+    names = sorted(p.stem for p in HERE.glob("fused_cases_*.py"))
+    for name in names:
+        importlib.import_module(name)
+    return names
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """'1024x512x256,64x64x64' -> [(1024, 512, 256), (64, 64, 64)]."""
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _barrier(dist: Any) -> None:
+    dist.barrier()
+
+
+def _max_over_ranks(dist: Any, torch: Any, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure(fn: Callable[[], Any], seconds: float, min_iters: int, max_iters: int, dist: Any, torch: Any
+            ) -> tuple[float, int]:
+    """Average seconds per call (max over ranks) and the iteration count (the same on every rank)."""
+    fn()  # warm-up (first-call costs: allocations, the op's link/compute estimates)
+    _barrier(dist)
+    t0 = time.perf_counter()
+    fn()
+    one = _max_over_ranks(dist, torch, time.perf_counter() - t0)
+    iters = int(min(max_iters, max(min_iters, seconds / max(one, 1e-6))))
+    for _ in range(min(2, iters)):
+        fn()
+    _barrier(dist)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    avg = (time.perf_counter() - t0) / iters
+    return _max_over_ranks(dist, torch, avg), iters
+
+
+# ------------------------------------------------------------------------------------------------ report
+COLUMNS = ("op", "shape", "fused ms", "unfused ms", "speedup", "ideal ms", "fused/ideal")
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    meta = doc["meta"]
+    lines = [f"# fused ops: {meta['world_size']} ranks, backend {meta['backend']}, {meta['dtype']}, "
+             f"{meta['hosts_desc']}; {meta['date']}; avg per call, max over ranks",
+             f"# compute alone / comm alone give ideal = max(compute, comm)"]
+    rows = [[r["op"], r["shape"], f"{r['fused_ms']:.3f}", f"{r['unfused_ms']:.3f}",
+             f"{r['unfused_ms'] / r['fused_ms']:.2f}x", f"{r['ideal_ms']:.3f}",
+             f"{r['fused_ms'] / r['ideal_ms']:.2f}"] for r in doc["results"]]
+    widths = [max(len(COLUMNS[i]), *(len(row[i]) for row in rows)) if rows else len(COLUMNS[i])
+              for i in range(len(COLUMNS))]
+    lines.append(" | ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
+    lines.append("-+-".join("-" * w for w in widths))
+    for row, r in zip(rows, doc["results"]):
+        detail = f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{'; ' + r['note'] if r['note'] else ''})"
+        lines.append(" | ".join(v.rjust(w) for v, w in zip(row, widths)) + detail)
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Grouped bars per case: fused, unfused, ideal (ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = doc["results"]
+    if not res:
+        return
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(res)), 4.5))
+    xs = range(len(res))
+    w = 0.27
+    ax.bar([x - w for x in xs], [r["fused_ms"] for r in res], w, label="fused")
+    ax.bar(list(xs), [r["unfused_ms"] for r in res], w, label="unfused")
+    ax.bar([x + w for x in xs], [r["ideal_ms"] for r in res], w, label="ideal = max(compute, comm)")
+    ax.set_xticks(list(xs), [f"{r['op']}\n{r['shape']}" for r in res], fontsize=7, rotation=20, ha="right")
+    ax.set_ylabel("ms per call")
+    meta = doc["meta"]
+    ax.set_title(f"fused ops, {meta['world_size']} ranks, {meta['backend']}, {meta['hosts_desc']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------------------------------------- main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="mk", help="backend the ops and the baseline run on (mk | gloo)")
+    ap.add_argument("--families", default="", help="comma-separated case families (default: all registered)")
+    ap.add_argument("--ops", default="", help="comma-separated op names to keep (default: all)")
+    ap.add_argument("--shapes", default="", help="shapes for every selected family, e.g. 1024x1024x1024,512x256x512")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--chunks", type=int, default=0, help="chunk count for the fused ops (0 = automatic)")
+    ap.add_argument("--time", type=float, default=1.0, help="seconds of timed iterations per measurement")
+    ap.add_argument("--min-iters", type=int, default=3)
+    ap.add_argument("--max-iters", type=int, default=200)
+    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--hosts-desc", default="")
+    args = ap.parse_args()
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from collectives import detect_launch
+
+    launch = detect_launch()
+    import torch
+    import torch.distributed as dist
+
+    import superkernel  # noqa: F401  (registers mk and torch.ops.mk.*)
+
+    dist.init_process_group(args.backend, timeout=_dt.timedelta(seconds=600))
+    families = load_case_modules()
+    ctx = Context(rank=launch.rank, world_size=launch.world_size, group=dist.group.WORLD, backend=args.backend,
+                  dtype=getattr(torch, args.dtype), shapes=parse_shapes(args.shapes) if args.shapes else None,
+                  chunks=args.chunks)
+    wanted_families = [f for f in args.families.split(",") if f] or list(REGISTRY)
+    wanted_ops = {o for o in args.ops.split(",") if o}
+    hosts = {platform.node()}
+    hosts_desc = args.hosts_desc or f"1 host ({os.environ.get('SUPERKERNEL_TRANSPORT', 'auto')} transport)"
+    results = []
+    for fam in wanted_families:
+        for case in REGISTRY[fam](ctx):
+            if wanted_ops and case.op not in wanted_ops:
+                continue
+            row: dict[str, Any] = {"family": fam, "op": case.op, "shape": case.shape, "note": case.note, **case.extra}
+            for kind in ("fused", "unfused", "compute", "comm"):
+                sec, iters = measure(getattr(case, kind), args.time, args.min_iters, args.max_iters, dist, torch)
+                row[f"{kind}_ms"] = sec * 1e3
+                row[f"{kind}_iters"] = iters
+            row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
+            results.append(row)
+            if launch.rank == 0:
+                print(f"  measured {case.op} {case.shape}: fused {row['fused_ms']:.3f} ms, unfused "
+                      f"{row['unfused_ms']:.3f} ms, ideal {row['ideal_ms']:.3f} ms", flush=True)
+    doc = {"meta": {"world_size": launch.world_size, "backend": args.backend, "dtype": args.dtype,
+                    "chunks": args.chunks, "hosts_desc": hosts_desc, "launcher": launch.launcher,
+                    "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    "host": sorted(hosts), "load": os.getloadavg(), "families": families,
+                    "torch": torch.__version__, "time_per_measurement_s": args.time},
+           "results": results}
+    if launch.rank == 0:
+        print(format_table(doc), flush=True)
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = args.tag or f"{launch.world_size}r-{args.backend}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        (out / f"fused-{tag}.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        plot(doc, out / f"fused-{tag}.png")
+        print(f"wrote {out / f'fused-{tag}.json'} and .png", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

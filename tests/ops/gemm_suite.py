@@ -1,0 +1,254 @@
+"""Runs inside every rank of a world (tests/transport/world.py): the three GEMM+collective ops against the
+unfused reference computed in float64 from every rank's inputs, over random and awkward shapes, every dtype
+and several chunk counts; optionally the cross-rank mismatch errors, torch.library.opcheck and a
+torch.compile(fullgraph=True) trace. Prints one REPORT line: failures per family, result digests (the test
+compares them across ranks), and timings.
+
+    python gemm_suite.py [--backend mk|gloo] [--errors] [--opcheck] [--compile] [--large]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+import superkernel  # noqa: F401  (registers "mk" and torch.ops.mk.*)
+import superkernel.ops as mk
+from rank_tensors import DTYPES, digest, mismatch, rank_tensor
+
+failures: dict[str, list[str]] = defaultdict(list)
+digests: dict[str, int] = {}
+timings: dict[str, float] = defaultdict(float)
+rank = world = 0
+
+
+def check(family: str, name: str, fn) -> None:
+    t0 = time.perf_counter()
+    try:
+        problem = fn()
+    except Exception as e:  # noqa: BLE001  (report every failure, keep going)
+        problem = f"raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+    timings[family] += time.perf_counter() - t0
+    if problem:
+        failures[family].append(f"{name}: {problem}")
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def shapes(seed: int, large: bool) -> list[tuple[int, int, int]]:
+    """(m, k, n): fixed awkward ones plus random ones (the same on every rank)."""
+    fixed = [(1, 1, 1), (5, 1, 3), (7, 13, 5), (3, 9, 1), (33, 64, 17), (130, 70, 90)]
+    rnd = random.Random(seed)
+    fixed += [(rnd.randint(1, 80), rnd.randint(1, 96), rnd.randint(1, 80)) for _ in range(3)]
+    if large:
+        fixed.append((256, 384, 320))
+    return fixed
+
+
+CHUNKS = [0, 1, 3, 8]
+
+
+# ---------------------------------------------------------------- the three ops
+
+
+def allgather_gemm_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int, gathered: bool) -> str:
+    key = f"ag/{m}/{k}/{n}"
+    shards = [rank_tensor(key + "/a", r, (m, k), dtype) for r in range(world)]
+    b = rank_tensor(key + "/b", 0, (k, n), dtype)
+    if gathered:
+        c, g = mk.allgather_gemm(shards[rank], b, return_gathered=True, chunks=chunks)
+        if not torch.equal(g, torch.cat(shards)):
+            return "gathered A differs from cat of the shards"
+    else:
+        c = mk.allgather_gemm(shards[rank], b, chunks=chunks)
+    ref = torch.cat([s.double() for s in shards]) @ b.double()
+    digests[f"ag/{m}/{k}/{n}/{dtype}/{chunks}/{gathered}"] = digest(c)
+    return mismatch(c, ref, dtype)
+
+
+def k_of(r: int, k: int) -> int:
+    """Uneven k shards: rank r holds k + r % 2 columns (k = 0 stays 0 on rank 0)."""
+    return k + (r % 2)
+
+
+def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int) -> str:
+    key = f"ar/{m}/{k}/{n}"
+    a = [rank_tensor(key + "/a", r, (m, k_of(r, k)), dtype) for r in range(world)]
+    b = [rank_tensor(key + "/b", r, (k_of(r, k), n), dtype) for r in range(world)]
+    c = mk.gemm_allreduce(a[rank], b[rank], chunks=chunks)
+    ref = sum(x.double() @ y.double() for x, y in zip(a, b))
+    digests[f"ar/{m}/{k}/{n}/{dtype}/{chunks}"] = digest(c)
+    return mismatch(c, ref, dtype)
+
+
+def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int) -> str:
+    m = mb * world
+    key = f"rs/{m}/{k}/{n}"
+    a = [rank_tensor(key + "/a", r, (m, k_of(r, k)), dtype) for r in range(world)]
+    b = [rank_tensor(key + "/b", r, (k_of(r, k), n), dtype) for r in range(world)]
+    c = mk.gemm_reducescatter(a[rank], b[rank], chunks=chunks)
+    ref = sum(x.double() @ y.double() for x, y in zip(a, b))[rank * mb:(rank + 1) * mb]
+    return mismatch(c, ref, dtype)
+
+
+def run_ops(large: bool) -> None:
+    rnd = random.Random(1234)
+    for (m, k, n) in shapes(world, large):
+        for dtype in DTYPES:
+            chunks = rnd.choice(CHUNKS)
+            name = f"m={m} k={k} n={n} {dtype} chunks={chunks}"
+            check("allgather_gemm", name, lambda: allgather_gemm_case(m, k, n, dtype, chunks, False))
+            check("gemm_allreduce", name, lambda: gemm_allreduce_case(m, k, n, dtype, chunks))
+            check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(m, k, n, dtype, chunks))
+    # every chunk count on one awkward shape (m not divisible by the chunk count), and the gathered A
+    for chunks in CHUNKS + [50]:
+        for dtype in DTYPES:
+            name = f"m=7 k=5 n=6 {dtype} chunks={chunks}"
+            check("allgather_gemm", name + " gathered", lambda: allgather_gemm_case(7, 5, 6, dtype, chunks, True))
+            check("gemm_allreduce", name, lambda: gemm_allreduce_case(7, 5, 6, dtype, chunks))
+            check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks))
+    # empty results: m = 0, and k = 0 on rank 0 (k sharded unevenly)
+    check("empty", "allgather_gemm m=0", lambda: allgather_gemm_case(0, 4, 3, torch.float32, 0, True))
+    check("empty", "gemm_allreduce m=0", lambda: gemm_allreduce_case(0, 4, 3, torch.float32, 0))
+    check("empty", "gemm_reducescatter m=0", lambda: gemm_reducescatter_case(0, 4, 3, torch.float32, 0))
+    check("empty", "gemm_allreduce k=0", lambda: gemm_allreduce_case(6, 0, 3, torch.float32, 2))
+    check("empty", "gemm_reducescatter n=0", lambda: gemm_reducescatter_case(3, 4, 0, torch.float32, 2))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def expect_error(call, *must_contain: str) -> str:
+    try:
+        call()
+    except RuntimeError as e:
+        text = str(e)
+        missing = [s for s in must_contain if s not in text]
+        return f"error text lacks {missing}: {text[:400]}" if missing else ""
+    return "no error raised"
+
+
+def run_errors() -> None:
+    if world > 1:
+        run_disagreements()
+    # a local argument error on the last rank only: every rank raises
+    bad = torch.ones(4, 3, 1) if rank == world - 1 else torch.ones(4, 3)
+    check("errors", "one rank passes a 3-D a", lambda: expect_error(
+        lambda: mk.gemm_allreduce(bad, torch.ones(3, 2)), "gemm_allreduce",
+        "2-D" if rank == world - 1 else f"rank {world - 1} rejected its arguments"))
+    # errors every rank sees locally
+    check("errors", "inner dimensions", lambda: expect_error(
+        lambda: mk.allgather_gemm(torch.ones(4, 3), torch.ones(5, 2)), "allgather_gemm", "inner dimensions"))
+    if world > 1:
+        check("errors", "R does not divide m", lambda: expect_error(
+            lambda: mk.gemm_reducescatter(torch.ones(world * 2 + 1, 3), torch.ones(3, 2)), "gemm_reducescatter",
+            "must divide m"))
+    check("errors", "int dtype", lambda: expect_error(
+        lambda: mk.gemm_allreduce(torch.ones(2, 2, dtype=torch.int32), torch.ones(2, 2, dtype=torch.int32)),
+        "not supported"))
+    check("errors", "unknown group", lambda: expect_error(
+        lambda: torch.ops.mk.gemm_allreduce(torch.ones(2, 2), torch.ones(2, 2), "no-such-group"), "no process group"))
+    # the group is still usable afterwards, with correct results
+    check("errors", "usable after errors", lambda: gemm_allreduce_case(9, 4, 5, torch.float32, 2))
+
+
+def run_disagreements() -> None:
+    """Ranks disagree on k (allgather_gemm), on n and dtype (gemm_allreduce), on m (gemm_reducescatter)."""
+    f32 = torch.float32
+    a = torch.ones(4, 3 + rank)
+    check("errors", "allgather_gemm k differs", lambda: expect_error(
+        lambda: mk.allgather_gemm(a, torch.ones(3 + rank, 5)), "allgather_gemm", "k differs", "rank 0 has 3",
+        f"rank {world - 1} has {3 + world - 1}"))
+    check("errors", "gemm_allreduce n differs", lambda: expect_error(
+        lambda: mk.gemm_allreduce(torch.ones(4, 2), torch.ones(2, 5 + rank)), "gemm_allreduce", "n differs"))
+    dt = torch.bfloat16 if rank == world - 1 else f32
+    check("errors", "gemm_allreduce dtype differs", lambda: expect_error(
+        lambda: mk.gemm_allreduce(torch.ones(4, 2, dtype=dt), torch.ones(2, 5, dtype=dt)), "gemm_allreduce",
+        "dtype differs", "BFloat16"))
+    check("errors", "gemm_reducescatter m differs", lambda: expect_error(
+        lambda: mk.gemm_reducescatter(torch.ones(world * (2 + rank), 2), torch.ones(2, 3)), "gemm_reducescatter",
+        "m differs"))
+
+
+# ---------------------------------------------------------------- opcheck and compile
+
+
+def run_opcheck() -> None:
+    name = mk.group_name()
+    m = 4 * world
+    cases = [
+        (torch.ops.mk.allgather_gemm.default, (torch.randn(3, 5), torch.randn(5, 4), name, False, 0)),
+        (torch.ops.mk.allgather_gemm.default, (torch.randn(3, 5), torch.randn(5, 4), name, True, 2)),
+        (torch.ops.mk.gemm_allreduce.default, (torch.randn(5, 3), torch.randn(3, 4), name, 0)),
+        (torch.ops.mk.gemm_reducescatter.default, (torch.randn(m, 3), torch.randn(3, 4), name, 2)),
+        (torch.ops.mk.gemm_allreduce.default, (torch.randn(5, 3, dtype=torch.bfloat16),
+                                               torch.randn(3, 4, dtype=torch.bfloat16), name, 0)),
+    ]
+    for op, args in cases:
+        torch.manual_seed(0)  # same random inputs on every rank are fine: opcheck only compares shapes/metadata
+        check("opcheck", str(op), lambda: _opcheck(op, args))
+
+
+def _opcheck(op, args) -> str:
+    result = torch.library.opcheck(op, args)
+    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+    return f"{bad}" if bad else ""
+
+
+def run_compile() -> None:
+    def f(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
+        c = mk.gemm_allreduce(torch.relu(a), b)
+        d = mk.allgather_gemm(a2, c.t().contiguous())
+        return mk.gemm_reducescatter(d, c) * 2
+
+    def case() -> str:
+        torch._dynamo.reset()
+        a = rank_tensor("compile/a", rank, (4 * world, 6), torch.float32)
+        b = rank_tensor("compile/b", rank, (6, 5), torch.float32)
+        a2 = rank_tensor("compile/a2", rank, (2, 5), torch.float32)
+        eager = f(a, b, a2)
+        compiled = torch.compile(f, fullgraph=True, backend=os.environ.get("SK_COMPILE_BACKEND", "aot_eager"))
+        out = compiled(a, b, a2)
+        return mismatch(out, eager.double(), torch.float32)
+
+    check("compile", "fullgraph trace", case)
+
+
+def main() -> None:
+    global rank, world
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="mk")
+    ap.add_argument("--errors", action="store_true")
+    ap.add_argument("--opcheck", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--large", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()
+    run_ops(args.large)
+    if args.errors:
+        run_errors()
+    if args.opcheck:
+        run_opcheck()
+    if args.compile:
+        run_compile()
+    timings["total"] = time.perf_counter() - t0
+    dist.barrier()
+    report = {"rank": rank, "world": world, "failures": failures, "digests": digests, "timings": timings}
+    sys.stdout.write("REPORT " + json.dumps(report) + "\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Start a world for a fused-op rank script (tests/ops/*_suite.py) once per configuration and cache its
+reports, so the many tests of one configuration share a single world start (~2-3 s each)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.transport.world import RankResult, run_world
+
+HERE = Path(__file__).resolve().parent
+
+# (world size, transport or backend): mk over shm and over tcp for 1-4 ranks, and Gloo.
+MK_WORLDS = [(1, "auto"), (2, "shm"), (2, "tcp"), (3, "shm"), (3, "tcp"), (4, "shm"), (4, "tcp")]
+
+
+class WorldCache:
+    """Runs ``script`` (in tests/ops) with ``args(world, transport)`` once per (world, transport)."""
+
+    def __init__(self, script: str, timeout: float = 300) -> None:
+        self.script = str(HERE / script)
+        self.timeout = timeout
+        self._results: dict[tuple[int, str, tuple[str, ...]], list[RankResult]] = {}
+
+    def reports(self, world: int, transport: str, args: list[str]) -> list[dict]:
+        """Every rank's REPORT; ``transport`` 'gloo' runs the gloo backend, else mk with that transport."""
+        key = (world, transport, tuple(args))
+        if key not in self._results:
+            extra = ["--backend", "gloo"] if transport == "gloo" else []
+            env = {} if transport == "gloo" else {"SUPERKERNEL_TRANSPORT": transport}
+            self._results[key] = run_world(world, self.script, [*args, *extra], timeout=self.timeout, env=env)
+        return [r.report() for r in self._results[key]]
+
+
+def failures_of(reports: list[dict], family: str) -> list[str]:
+    """'rank r: problem' for every failure of ``family`` on any rank."""
+    return [f"rank {rep['rank']}: {f}" for rep in reports for f in rep["failures"].get(family, [])]
