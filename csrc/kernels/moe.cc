@@ -265,7 +265,8 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     if (n_back[size_t(s)]) tx[size_t(s)] = p.send(rows_for(s), s, 0);
   }
 
-  at::Tensor acc = at::zeros({t * K, f}, y.options().dtype(at::kFloat));
+  // Every (token, choice) comes back exactly once, so every row of acc is written: no need to zero it.
+  at::Tensor acc = at::empty({t * K, f}, y.options().dtype(at::kFloat));
   const at::Tensor wflat = topk_weights.reshape({-1}).to(at::kFloat);
   auto place = [&](int d, const at::Tensor& block) {
     if (block.size(0) == 0) return;

@@ -13,6 +13,7 @@
 // With a causal mask, every pair of (query chunk, key chunk) is classified by its global positions as fully
 // visible, fully masked (skipped) or diagonal (masked element-wise).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
@@ -71,19 +72,35 @@ at::Tensor causal_mask(const Chunk& q, const Chunk& k) {
 // Replace -inf (rows that saw no key yet) by 0 so that exp(x - m) stays 0 instead of NaN.
 at::Tensor finite_or_zero(const at::Tensor& m) { return m.masked_fill(m.isneginf(), 0.0); }
 
-// Attention of q [b, hkv, g, sq, d] against k, v [b, hkv, sk, d] (all fp32), merged into out/lse
-// ([b, hkv, g, sq, d] / [b, hkv, g, sq], fp32 views into the accumulators).
-void attend_merge(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                  double scale, at::Tensor out, at::Tensor lse) {
+// Merge a block's partial result (bout [b, hkv, g, sq, d], blse [b, hkv, g, sq]) into the running one (views
+// into the fp32 accumulators) with the log-sum-exp rule.
+void merge(const at::Tensor& bout, const at::Tensor& blse, at::Tensor out, at::Tensor lse) {
+  at::Tensor merged = at::logaddexp(lse, blse);
+  at::Tensor m = finite_or_zero(merged);
+  out.mul_(at::exp(lse - m).unsqueeze(-1)).add_(bout * at::exp(blse - m).unsqueeze(-1));
+  lse.copy_(merged);
+}
+
+// Attention of q [b, hkv, g, sq, d] against k, v [b, hkv, sk, d] (all fp32) with an optional element mask
+// (true = masked): the block's output and log-sum-exp, by plain ATen ops (any device).
+std::pair<at::Tensor, at::Tensor> attend_generic(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& mask, double scale) {
   at::Tensor scores = at::matmul(q, k.unsqueeze(2).transpose(-1, -2)).mul_(scale);  // [b, hkv, g, sq, sk]
   if (mask) scores.masked_fill_(*mask, -std::numeric_limits<double>::infinity());
   at::Tensor blse = at::logsumexp(scores, -1);
   at::Tensor p = at::exp(scores.sub_(finite_or_zero(blse).unsqueeze(-1)));
-  at::Tensor bout = at::matmul(p, v.unsqueeze(2));
-  at::Tensor merged = at::logaddexp(lse, blse);
-  at::Tensor m = finite_or_zero(merged);
-  out.mul_(at::exp(lse - m).unsqueeze(-1)).add_(bout.mul_(at::exp(blse - m).unsqueeze(-1)));
-  lse.copy_(merged);
+  return {at::matmul(p, v.unsqueeze(2)), blse};
+}
+
+// The same through ATen's fused CPU flash-attention kernel (tiled, never materialises the score matrix;
+// returns the log-sum-exp too). k, v are [b, hq, sk, d] here (kv heads already repeated for GQA); `diagonal`:
+// query i sees keys 0..i (the pair covers the same positions).
+std::pair<at::Tensor, at::Tensor> attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             bool diagonal, double scale) {
+  const auto b = q.size(0), hkv = q.size(1), g = q.size(2), sq = q.size(3), d = q.size(4);
+  auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.reshape({b, hkv * g, sq, d}), k, v, 0.0, diagonal,
+                                                                 std::nullopt, scale);
+  return {o.reshape({b, hkv, g, sq, d}), l.reshape({b, hkv, g, sq})};
 }
 
 std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -127,6 +144,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   at::Tensor out = at::zeros({b, hkv, g, s, d}, f32);
   at::Tensor lse = at::full({b, hkv, g, s}, -std::numeric_limits<double>::infinity(), f32);
   const auto my_chunks = chunks_of(me, R, s, zigzag);
+  const bool on_cpu = q.device().is_cpu();
 
   // Double-buffered K/V blocks; block i+1 arrives while block i is computed.
   at::Tensor cur = at::stack({k, v}).contiguous();  // [2, b, hkv, s, d], input dtype
@@ -140,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
       received = p.recv(nxt, left, uint32_t(step));
     }
     const auto their_chunks = chunks_of(src, R, s, zigzag);
-    at::Tensor kb, vb;
+    at::Tensor kb, vb, kx, vx;
     for (const Chunk& qc : my_chunks) {
       for (const Chunk& kc : their_chunks) {
         const Vis vis = visibility(qc, kc, causal);
@@ -148,11 +166,22 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
         if (!kb.defined()) {
           kb = cur[0].to(at::kFloat);
           vb = cur[1].to(at::kFloat);
+          if (on_cpu) {  // repeat kv heads for the fused kernel (a view when there is no grouping)
+            kx = g == 1 ? kb : kb.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
+            vx = g == 1 ? vb : vb.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
+          }
         }
-        std::optional<at::Tensor> mask;
-        if (vis == Vis::partial) mask = causal_mask(qc, kc);
-        attend_merge(q32.narrow(3, qc.off, qc.len), kb.narrow(2, kc.off, kc.len), vb.narrow(2, kc.off, kc.len), mask,
-                     sc, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
+        const bool diagonal = vis == Vis::partial && qc.pos == kc.pos && qc.len == kc.len;
+        at::Tensor qv = q32.narrow(3, qc.off, qc.len);
+        std::pair<at::Tensor, at::Tensor> part;
+        if (on_cpu && (vis == Vis::full || diagonal)) {
+          part = attend_cpu(qv, kx.narrow(2, kc.off, kc.len), vx.narrow(2, kc.off, kc.len), diagonal, sc);
+        } else {
+          std::optional<at::Tensor> mask;
+          if (vis == Vis::partial) mask = causal_mask(qc, kc);
+          part = attend_generic(qv, kb.narrow(2, kc.off, kc.len), vb.narrow(2, kc.off, kc.len), mask, sc);
+        }
+        merge(part.first, part.second, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
       }
     }
     if (sent.valid()) {
