@@ -8,8 +8,9 @@
 For each case (an op at one shape): the fused op; the unfused composition (the same backend's collective
 and ATen's matmul back to back); the computation alone; the communication alone. ideal = max(compute,
 comm) is what perfect overlap would reach. Columns: op, shape, fused ms, unfused ms, speedup
-(unfused / fused), ideal ms, fused/ideal. Times are averages per call over the timed iterations, maximum over
-ranks (the slowest rank decides). Results go to bench/results/fused-<tag>.json and .png.
+(unfused / fused), ideal ms, fused/ideal. The four variants of a case are interleaved, one call each per
+round; each call starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides)
+and the table shows the median over the rounds. Results go to bench/results/fused-<tag>.json and .png.
 
 Cases come from a registry (bench/fused_registry.py): every module bench/fused_cases_*.py registers
 factories with ``@register`` (see bench/fused_cases_gemm.py); a factory receives the Context and returns Case objects. Adding an op
@@ -59,23 +60,34 @@ def _max_over_ranks(dist: Any, torch: Any, value: float) -> float:
     return float(t.item())
 
 
-def measure(fn: Callable[[], Any], seconds: float, min_iters: int, max_iters: int, dist: Any, torch: Any
-            ) -> tuple[float, int]:
-    """Average seconds per call (max over ranks) and the iteration count (the same on every rank)."""
-    fn()  # warm-up (first-call costs: allocations, the op's link/compute estimates)
+KINDS = ("fused", "unfused", "compute", "comm")
+
+
+def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
+            torch: Any) -> tuple[dict[str, float], int]:
+    """Median per-call seconds of each variant and the iteration count (the same on every rank).
+
+    The variants are interleaved (one call of each per round), so drifting load from other processes on this
+    shared VM hits them alike. Every call starts after a barrier; a call's time is the maximum over ranks;
+    the median over rounds, not the mean, since other processes add a long tail to some calls."""
+    for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
+        fn()
     _barrier(dist)
     t0 = time.perf_counter()
-    fn()
+    for fn in fns.values():
+        fn()
     one = _max_over_ranks(dist, torch, time.perf_counter() - t0)
-    iters = int(min(max_iters, max(min_iters, seconds / max(one, 1e-6))))
-    for _ in range(min(2, iters)):
-        fn()
-    _barrier(dist)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    avg = (time.perf_counter() - t0) / iters
-    return _max_over_ranks(dist, torch, avg), iters
+    iters = int(min(max_iters, max(min_iters, len(fns) * seconds / max(one, 1e-6))))
+    times = torch.zeros(len(fns), iters, dtype=torch.float64)
+    for i in range(iters):
+        for j, fn in enumerate(fns.values()):
+            _barrier(dist)
+            t0 = time.perf_counter()
+            fn()
+            times[j, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    med = times.median(dim=1).values
+    return {k: float(med[j].item()) for j, k in enumerate(fns)}, iters
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -85,7 +97,7 @@ COLUMNS = ("op", "shape", "fused ms", "unfused ms", "speedup", "ideal ms", "fuse
 def format_table(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
     lines = [f"# fused ops: {meta['world_size']} ranks, backend {meta['backend']}, {meta['dtype']}, "
-             f"{meta['hosts_desc']}; {meta['date']}; avg per call, max over ranks",
+             f"{meta['hosts_desc']}; {meta['date']}; median per call of the max over ranks",
              f"# compute alone / comm alone give ideal = max(compute, comm)"]
     rows = [[r["op"], r["shape"], f"{r['fused_ms']:.3f}", f"{r['unfused_ms']:.3f}",
              f"{r['unfused_ms'] / r['fused_ms']:.2f}x", f"{r['ideal_ms']:.3f}",
@@ -135,7 +147,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="shapes for every selected family, e.g. 1024x1024x1024,512x256x512")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--chunks", type=int, default=0, help="chunk count for the fused ops (0 = automatic)")
-    ap.add_argument("--time", type=float, default=1.0, help="seconds of timed iterations per measurement")
+    ap.add_argument("--time", type=float, default=1.0, help="seconds of timed calls per variant of a case")
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--out-dir", default=str(HERE / "results"))
@@ -167,10 +179,10 @@ def main() -> int:
             if wanted_ops and case.op not in wanted_ops:
                 continue
             row: dict[str, Any] = {"family": fam, "op": case.op, "shape": case.shape, "note": case.note, **case.extra}
-            for kind in ("fused", "unfused", "compute", "comm"):
-                sec, iters = measure(getattr(case, kind), args.time, args.min_iters, args.max_iters, dist, torch)
-                row[f"{kind}_ms"] = sec * 1e3
-                row[f"{kind}_iters"] = iters
+            secs, iters = measure({k: getattr(case, k) for k in KINDS}, args.time, args.min_iters, args.max_iters,
+                                  dist, torch)
+            row.update({f"{k}_ms": v * 1e3 for k, v in secs.items()})
+            row["iters"] = iters
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
             results.append(row)
             if launch.rank == 0:

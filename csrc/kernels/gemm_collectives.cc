@@ -1,15 +1,18 @@
 // GEMM fused with a collective, on the pipeline scheduler:
 //   mk::allgather_gemm(a, b, group_name, return_gathered=False, chunks=0) -> (c, gathered)
-//       c = cat_r(a_r) @ b, [R*m, n]. A ring: each step forwards the shard part just received to the next
-//       rank while multiplying it; `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k]
-//       (always a tuple, so the schema and the fake kernel do not depend on a flag's value).
+//       c = cat_r(a_r) @ b, [R*m, n]. On mk a ring over the transport: each step forwards the shard part
+//       just received to the next rank while multiplying it (no staging copies: parts land in `gathered`).
+//       On other backends: the backend's allgather of row part i+1 while part i is multiplied.
+//       `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k] (always a tuple, so the schema
+//       and the fake kernel do not depend on a flag's value).
 //   mk::gemm_allreduce(a, b, group_name, chunks=0) -> c
 //       c = sum_r a_r @ b_r, [m, n] on every rank. Row chunks: chunk i's partial product is allreduced while
-//       chunk i+1 is multiplied.
+//       chunk i+1 is multiplied (mk: ProcessGroupMK's allreduce issued from the group's lane thread).
 //   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
-//       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). Each chunk takes the same rows from every
-//       rank's block, so its reduce-scatter leaves this rank's rows of that chunk; reduce-scatter of chunk i
-//       overlaps the products of chunk i+1.
+//       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk a ring of partial sums over the
+//       transport (see ring_reducescatter). On other backends each chunk takes the same rows from every
+//       rank's block, so its reduce-scatter leaves this rank's rows of that chunk; the reduce-scatter of
+//       chunk i overlaps the products of chunk i+1.
 // Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
 // are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically.
 #include <ATen/ops/empty.h>
@@ -47,6 +50,58 @@ std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char*
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
 
+// gemm_reducescatter on mk: a ring of partial sums straight over the transport. At step s rank r works on
+// block (r - s - 1) mod R: it multiplies its own part of that block, adds the running sum received from the
+// previous rank and sends it on to the next; at the last step the block is r's own and the sum is final.
+// The products of a part are computed before its receive is waited for, so the transfer of part i overlaps
+// the products of part i+1 (and the next step's). Running sums are in the accumulation type (fp32 for half
+// types). All receives are posted up front into distinct buffers.
+void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& out, int64_t mb,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, at::ScalarType acc_t) {
+  const int R = p.size(), r = p.rank();
+  const int next = (r + 1) % R, prev = (r - 1 + R) % R;
+  const int64_t n = b.size(1), C = int64_t(ranges.size());
+  const bool convert = a.scalar_type() != acc_t;
+  auto opts = a.options().dtype(acc_t);
+  at::Tensor incoming = at::empty({R - 1, mb, n}, opts);  // step s (>= 1) receives into incoming[s - 1]
+  at::Tensor first = at::empty({mb, n}, opts);            // step 0's products, sent as they are
+  at::Tensor scratch = at::empty({mb, n}, opts);
+  std::vector<Pending> recvs;
+  for (int s = 1; s < R; ++s)
+    for (int64_t i = 0; i < C; ++i) {
+      auto [lo, hi] = ranges[size_t(i)];
+      recvs.push_back(p.recv(incoming.select(0, s - 1).narrow(0, lo, hi - lo), prev, uint32_t((s - 1) * C + i)));
+    }
+  std::vector<Pending> sends;
+  for (int s = 0; s < R; ++s) {
+    const int64_t blk = ((r - s - 1) % R + R) % R;
+    for (int64_t i = 0; i < C; ++i) {
+      auto [lo, hi] = ranges[size_t(i)];
+      const int64_t rows = hi - lo;
+      at::Tensor src = a.narrow(0, blk * mb + lo, rows);
+      if (convert) src = src.to(acc_t);
+      if (s == 0) {
+        at::Tensor dst = first.narrow(0, lo, rows);
+        at::mm_out(dst, src, b);
+        if (R > 1) sends.push_back(p.send(dst, next, uint32_t(i)));
+        if (R == 1) out.narrow(0, lo, rows).copy_(dst);
+        continue;
+      }
+      at::Tensor prod = s + 1 < R ? scratch.narrow(0, lo, rows) : out.narrow(0, lo, rows);
+      at::mm_out(prod, src, b);
+      recvs[size_t((s - 1) * C + i)].wait();
+      at::Tensor sum = incoming.select(0, s - 1).narrow(0, lo, rows);
+      if (s + 1 < R) {
+        sum.add_(prod);
+        sends.push_back(p.send(sum, next, uint32_t(s * C + i)));
+      } else {
+        prod.add_(sum);
+      }
+    }
+  }
+  for (auto& x : sends) x.wait();
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const at::Tensor& b_in,
@@ -68,13 +123,48 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
                       {"return_gathered", int64_t(return_gathered), false}, {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][5];
+  p.use_chunks(C);
+  p.trace(c10::str("m=", m, " k=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   at::Tensor gathered = at::empty({R * m, k}, a.options());
   at::Tensor c = at::empty({R * m, n}, a.options());
   gathered.narrow(0, r * m, m).copy_(a);
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  if (!g.is_mk() && R > 1) {
+    // Other backends: the backend's allgather of part i+1 runs while part i's rows of every shard are
+    // multiplied. (A ring of separate sends and receives would deadlock NCCL, whose point-to-point calls
+    // outside a group are serialised on one stream.)
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (int64_t i = 0; i < C; ++i) {
+      auto rg = chunk_range(m, C, i);
+      if (rg.second > rg.first) ranges.push_back(rg);
+    }
+    const size_t N = ranges.size();
+    std::vector<at::Tensor> parts(N);
+    auto issue = [&](size_t i) {
+      auto [lo, hi] = ranges[i];
+      parts[i] = at::empty({R, hi - lo, k}, a.options());
+      return p.allgather(a.narrow(0, lo, hi - lo), parts[i]);
+    };
+    Pending cur = issue(0);
+    for (size_t i = 0; i < N; ++i) {
+      Pending nxt = i + 1 < N ? issue(i + 1) : Pending();
+      cur.wait();
+      auto [lo, hi] = ranges[i];
+      for (int j = 0; j < R; ++j) {
+        at::Tensor src = parts[i].select(0, j);
+        at::Tensor dst = c.narrow(0, j * m + lo, hi - lo);
+        at::mm_out(dst, src, b);
+        if (return_gathered) gathered.narrow(0, j * m + lo, hi - lo).copy_(src);
+      }
+      parts[i] = at::Tensor();
+      cur = std::move(nxt);
+    }
+    return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  }
 
+  // mk: a ring straight over the transport.
   const int next = (r + 1) % R, prev = (r - 1 + R) % R;
   auto part = [&](int64_t block, int64_t i) {
     auto [lo, hi] = chunk_range(m, C, i);
@@ -125,6 +215,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
                       {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][4];
+  p.use_chunks(C);
+  p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
@@ -185,6 +277,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
                       {"chunks", proposal, false}},
                      err);
   const int64_t C = all[0][4];
+  p.use_chunks(C);
+  p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
@@ -199,7 +293,12 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     auto rg = chunk_range(mb, C, i);
     if (rg.second > rg.first) ranges.push_back(rg);
   }
-  // One staging buffer per chunk: [R, rows_i, n], block j = rows of rank j's block (the reduce-scatter input).
+  if (g.is_mk()) {
+    ring_reducescatter(p, a, b, acc_out, mb, ranges, acc_t);
+    return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+  }
+  // Other backends: one staging buffer per chunk, [R, rows_i, n], block j = rows of rank j's block (the
+  // reduce-scatter input); the backend's reduce_scatter of chunk i overlaps the products of chunk i+1.
   std::vector<at::Tensor> stage(ranges.size());
   p.overlap(
       int64_t(ranges.size()),

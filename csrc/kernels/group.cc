@@ -73,8 +73,14 @@ std::vector<std::vector<int64_t>> agree(const Group& g, const char* op, const st
     for (int r = 0; r < g.size; ++r) outs.push_back(at::zeros({width}, opts));
     std::vector<std::vector<at::Tensor>> out_lists{outs};
     std::vector<at::Tensor> ins{in};
-    auto work = g.backend->allgather(out_lists, ins, c10d::AllgatherOptions());
-    work->wait(g.timeout);
+    try {
+      auto work = g.backend->allgather(out_lists, ins, c10d::AllgatherOptions());
+      work->wait(g.timeout);
+    } catch (const c10::Error& e) {
+      throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)},
+                                  c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors with the ",
+                                           g.size - 1, " other ranks failed: ", e.what_without_backtrace()));
+    }
     std::vector<int64_t> oks(size_t(g.size));
     for (int r = 0; r < g.size; ++r) {
       at::Tensor t = out_lists[0][size_t(r)].cpu();

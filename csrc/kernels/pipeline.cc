@@ -9,6 +9,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <condition_variable>
 #include <map>
@@ -38,6 +40,8 @@ size_t nbytes(const at::Tensor& t) { return size_t(t.numel()) * t.element_size()
 
 // Per-group state shared by the op calls on that group: the op sequence number and the link estimate.
 struct GroupState {
+  c10::weak_intrusive_ptr<c10d::Backend> backend{c10::intrusive_ptr<c10d::Backend>()};  // whose state this is
+  std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
@@ -53,10 +57,23 @@ std::map<std::pair<std::string, const void*>, GroupState>& states() {
 }
 std::pair<std::string, const void*> key_of(const Group& g) { return {g.name, g.backend.get()}; }
 
+// The state of g's backend (caller holds states_mu()). A destroyed group's entry is reset when a new backend
+// reuses its name and address, so a re-created group starts counting op calls from 0 on every rank.
+GroupState& state_of(const Group& g) {
+  auto& s = states()[key_of(g)];
+  if (s.backend.lock().get() != g.backend.get()) {
+    s = GroupState();
+    s.backend = c10::weak_intrusive_ptr<c10d::Backend>(g.backend);
+  }
+  return s;
+}
+
 void record_link_sample(const std::pair<std::string, const void*>& key, double bytes, double seconds) {
   if (bytes < double(64 << 10) || seconds <= 0) return;  // small transfers say nothing about bandwidth
   std::lock_guard<std::mutex> lock(states_mu());
-  auto& s = states()[key];
+  auto it = states().find(key);
+  if (it == states().end()) return;
+  auto& s = it->second;
   const double bw = bytes / seconds;
   s.bw = s.bw == 0 ? bw : 0.7 * s.bw + 0.3 * bw;
 }
@@ -251,14 +268,25 @@ class Lane {
   std::thread thread_;
 };
 
-// ---------------------------------------------------------------- Pipeline
-
-Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op) {
-  std::lock_guard<std::mutex> lock(states_mu());
-  seq_ = states()[key_of(g_)].next_seq++;
+// One lane per group, kept for the life of the process (a thread per op call would cost more than a small
+// op); idle lanes only sleep on their condition variable.
+Lane& lane_of(const Group& g) {
+  static std::mutex mu;
+  static std::map<std::pair<std::string, const void*>, std::unique_ptr<Lane>> lanes;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& l = lanes[key_of(g)];
+  if (!l) l = std::make_unique<Lane>();
+  return *l;
 }
 
-Pipeline::~Pipeline() = default;
+// ---------------------------------------------------------------- Pipeline
+
+Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op), started_(Clock::now()) {
+  std::lock_guard<std::mutex> lock(states_mu());
+  seq_ = state_of(g_).next_seq++;
+}
+
+Pipeline::~Pipeline() { record_timing(); }
 
 std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, const std::string& local_error) {
   fields.push_back({"fused-op call number on this group", int64_t(seq_), true});
@@ -275,7 +303,7 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   double bw = 0, lat = 0;
   {
     std::lock_guard<std::mutex> lock(states_mu());
-    auto& s = states()[key_of(g_)];
+    auto& s = state_of(g_);
     bw = s.bw;
     lat = s.latency;
   }
@@ -286,11 +314,44 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   if (lat <= 0) lat = !g_.device.is_cpu() ? 2e-5 : tcp ? 6e-5 : 1.5e-5;
   const double t_comm = model.comm_bytes / bw;
   const double t_comp = model.flops / gemm_flops_per_second(model.dtype, g_.device);
-  // Total ~ max(tc, tm) + min(tc, tm) / C + C * overhead (per-chunk message latency plus a smaller GEMM's
-  // lost efficiency); minimised at C = sqrt(min / overhead).
-  const double overhead = lat + 3e-5;
+  // Total ~ max(tc, tm) + min(tc, tm) / C + C * overhead (per-chunk message latency, thread hand-offs and a
+  // smaller GEMM's lost efficiency; ~150 us measured on a shared 2-core VM); minimised at
+  // C = sqrt(min / overhead). Beyond 8 chunks the fill/drain gain is below the noise.
+  const double overhead = lat + 1.5e-4;
   const double c = std::sqrt(std::min(t_comm, t_comp) / overhead);
-  return std::clamp<int64_t>(int64_t(std::lround(c)), 1, std::min<int64_t>(hi, 16));
+  const int64_t modeled = std::clamp<int64_t>(int64_t(std::lround(c)), 1, std::min<int64_t>(hi, 8));
+  // The model cannot see how much CPU the communication itself needs (shm copies, TCP at 10 Gbit/s on a
+  // small machine): then overlap gains less and chunking may cost more than it saves. So the automatic
+  // count is tuned per (group, op, shape) on the calls themselves: the modelled count, its neighbours and 1
+  // are each timed twice, then the fastest is kept (rank 0's proposal is the one every rank uses).
+  std::lock_guard<std::mutex> lock(states_mu());
+  auto& tuners = state_of(g_).tuners;
+  Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi)];
+  if (t.candidates.empty()) {
+    for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
+      if (std::find(t.candidates.begin(), t.candidates.end(), v) == t.candidates.end()) t.candidates.push_back(v);
+    t.best_seconds.assign(t.candidates.size(), 0);
+  }
+  tuner_ = &t;
+  if (t.trials < 2 * t.candidates.size()) return t.candidates[t.trials % t.candidates.size()];
+  size_t best = 0;
+  for (size_t i = 1; i < t.candidates.size(); ++i)
+    if (t.best_seconds[i] < t.best_seconds[best]) best = i;
+  return t.candidates[best];
+}
+
+void Pipeline::use_chunks(int64_t agreed) { chunks_used_ = agreed; }
+
+void Pipeline::record_timing() {
+  if (!tuner_ || chunks_used_ <= 0 || std::uncaught_exceptions() > 0) return;
+  const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
+  std::lock_guard<std::mutex> lock(states_mu());
+  Tuner& t = *tuner_;
+  auto it = std::find(t.candidates.begin(), t.candidates.end(), chunks_used_);
+  if (it == t.candidates.end()) return;
+  const size_t i = size_t(it - t.candidates.begin());
+  if (t.trials < 2 * t.candidates.size()) ++t.trials;
+  t.best_seconds[i] = t.best_seconds[i] == 0 ? secs : std::min(t.best_seconds[i], secs);
 }
 
 Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) {
@@ -380,10 +441,10 @@ Pending Pipeline::lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()
   size_t bytes = 0;
   for (auto& t : keep) bytes += nbytes(t);
   st->keep = std::move(keep);
-  if (!lane_) lane_ = std::make_unique<Lane>();
+  Lane& lane = lane_of(g_);
   auto timeout = g_.timeout;
   auto key = key_of(g_);
-  lane_->post([st, issue = std::move(issue), timeout, key, bytes] {
+  lane.post([st, issue = std::move(issue), timeout, key, bytes] {
     std::exception_ptr err;
     const auto t0 = Clock::now();
     try {
@@ -448,6 +509,14 @@ Pending Pipeline::alltoall(const at::Tensor& in, const at::Tensor& out, std::vec
   };
   if (g_.is_mk()) return lane_collective(issue, "alltoall", {in, out});
   return backend_work(issue(), cat("mk ", op_, ": alltoall").c_str(), -1, {in, out});
+}
+
+void Pipeline::trace(const std::string& what) const {
+  static const bool on = [] {
+    const char* v = std::getenv("SUPERKERNEL_OPS_TRACE");
+    return v && *v && std::string(v) != "0";
+  }();
+  if (on) std::fprintf(stderr, "[mk %s rank %d call %llu] %s\n", op_, g_.rank, (unsigned long long)seq_, what.c_str());
 }
 
 void Pipeline::publish(const at::Tensor& t) {

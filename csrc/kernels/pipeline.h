@@ -6,7 +6,7 @@
 //   mk      point-to-point goes straight to the transport (Comm::isend/irecv, completed by the providers'
 //           progress threads, in a tag space private to fused ops, no staging copies); collectives on
 //           (sub-)buffers go to ProcessGroupMK's own algorithms (shm segments, rings), issued from a
-//           communication lane thread owned by the pipeline so they never run inline on the compute thread.
+//           communication lane thread (one per group, kept) so they never run inline on the compute thread.
 //   other   (gloo; nccl on CUDA) the backend's own asynchronous c10d calls (send/recv/allreduce/...); the
 //           pipeline waits on their c10d::Work.
 // Device-generic: on a non-CPU device, publish() orders the communication after the compute already
@@ -22,6 +22,7 @@
 //   Pipeline p(g, "my_op");
 //   auto all = p.agree({{"m", m}, {"k", k}, {"chunks", p.chunks(requested, model), false}}, local_error);
 //   int64_t chunks = all[0][2];            // every rank proceeded (or every rank threw); rank 0's proposal
+//   p.use_chunks(chunks);                  // lets automatic proposals learn from this call's duration
 //   p.overlap(chunks, [&](int64_t i) { ...compute chunk i... },
 //                     [&](int64_t i) { return p.allreduce(c_i); },
 //                     [&](int64_t i) { ...chunk i's communication is complete... });
@@ -46,8 +47,6 @@ class Work;
 
 namespace mk::kernels {
 
-class Lane;
-
 // One asynchronous communication of a pipeline. Move-only; wait() once (later calls return at once).
 // Keeps the tensors it reads or writes alive until it completed.
 class Pending {
@@ -71,6 +70,13 @@ class Pending {
 
  private:
   std::shared_ptr<State> state_;
+};
+
+// Automatic chunk counts of one (group, op, shape): candidates, each timed on real calls.
+struct Tuner {
+  std::vector<int64_t> candidates;
+  std::vector<double> best_seconds;  // fastest call seen per candidate (0 = none yet)
+  size_t trials = 0;
 };
 
 // Cost model inputs for the automatic chunk count.
@@ -105,6 +111,9 @@ class Pipeline {
   // ranks may propose different counts, so pass it to agree() as a field with must_match = false and use
   // rank 0's value (all[0][i]) — that makes the count the same on every rank.
   int64_t chunks(int64_t requested, const ChunkModel& model);
+  // Tell the pipeline the chunk count every rank agreed on (rank 0's proposal): with an automatic proposal,
+  // the call's duration (recorded when the Pipeline is destroyed without an exception) tunes later proposals.
+  void use_chunks(int64_t agreed);
 
   // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.
   Pending send(const at::Tensor& t, int peer, uint32_t slot);
@@ -117,6 +126,9 @@ class Pipeline {
   // Rows of dim 0 split per peer (empty splits = even).
   Pending alltoall(const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
                    std::vector<int64_t> in_splits);
+
+  // SUPERKERNEL_OPS_TRACE=1: one line per op call on stderr (op, rank, shape, agreed chunk count).
+  void trace(const std::string& what) const;
 
   // Make what the caller's stream computed into `t` visible to communication issued after this call.
   // No-op on CPU and for stream-aware backends (nccl).
@@ -151,10 +163,14 @@ class Pipeline {
                           std::vector<at::Tensor> keep);
   Pending backend_work(c10::intrusive_ptr<c10d::Work> work, const char* what, int peer, std::vector<at::Tensor> keep);
 
+  void record_timing();
+
   Group g_;
   const char* op_;
   uint64_t seq_;
-  std::unique_ptr<Lane> lane_;
+  std::chrono::steady_clock::time_point started_;
+  Tuner* tuner_ = nullptr;  // set by chunks() for automatic counts; owned by the group's state
+  int64_t chunks_used_ = 0;
 };
 
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
+from tests.ops.ops_world import HERE, MK_WORLDS, WorldCache, failures_of
 
-WORLDS = MK_WORLDS + [(2, "gloo")]
+WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty"]
 _worlds = WorldCache("gemm_suite.py", timeout=300)
 
@@ -17,7 +17,7 @@ def args_for(world: int, transport: str) -> list[str]:
     args = ["--errors"]
     if world <= 2 and transport in ("auto", "shm"):
         args += ["--opcheck", "--compile"]
-    if world == 2 or (world == 4 and transport == "shm"):
+    if (world == 2 and transport == "shm") or (world == 4 and transport == "shm"):
         args.append("--large")
     return args
 
@@ -75,3 +75,20 @@ def test_cuda_path() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device on this machine: the NCCL/stream path of the pipeline is compiled but untested")
+
+
+@pytest.mark.parametrize("mode", ["timeout", "cancel"])
+def test_waits_end_by_timeout_or_interrupt(mode: str) -> None:
+    """A rank whose peer never calls the op gets an error naming the op: after the group timeout (2 s), or at
+    once on an interrupt (cancel_waits), never a hang."""
+    from tests.transport.world import run_world
+
+    results = run_world(2, str(HERE / "gemm_stuck.py"), ["--mode", mode], timeout=60)
+    rep = results[0].report()
+    assert rep["error"] is not None, "gemm_allreduce returned although rank 1 never called it"
+    assert "gemm_allreduce" in rep["error"], rep["error"]
+    if mode == "timeout":
+        assert 1.5 <= rep["seconds"] <= 15, rep
+    else:
+        assert "cancel" in rep["error"].lower(), rep["error"]
+        assert rep["seconds"] <= 10, rep
