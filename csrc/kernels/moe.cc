@@ -35,6 +35,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -47,6 +48,7 @@ namespace {
 
 constexpr int64_t kMagic = 0x6d6b6d6f65;  // "mkmoe"
 constexpr int64_t kHeader = 8;
+constexpr int64_t kPieceBytes = int64_t(512) << 10;  // dispatch transfers rows in pieces of about this size
 
 bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
@@ -112,7 +114,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   int64_t n_recv = 0;
   for (int64_t c : col) n_recv += c;
 
-  // Post the transfers: receives into one buffer (one region per source), then sends of our routed rows.
+  // Where the rows from source s for local expert e start in y (ordered by local expert, then source).
+  std::vector<std::vector<int64_t>> seg(size_t(R), std::vector<int64_t>(size_t(Er), 0));
+  for (int64_t e = 0, base = 0; e < Er; base += col[size_t(e)], ++e)
+    for (int s = 0, at_row = base; s < R; at_row += from(s, e), ++s) seg[size_t(s)][size_t(e)] = at_row;
+
+  // Post the transfers, in pieces of about kPieceBytes that never straddle two experts, so the product of
+  // one piece overlaps the transfer of the next: receives into one buffer (a region per source), then the
+  // sends of our routed rows. Both sides enumerate a pair's pieces the same way (expert by expert, from the
+  // agreed counts and hidden size), so piece j travels in message slot j.
+  const int64_t row_bytes = std::max<int64_t>(1, h * x.element_size());
+  auto piece_rows = [&](int64_t pair_rows) {
+    return std::max<int64_t>({1, kPieceBytes / row_bytes, (pair_rows >> 19) + 1});  // slots stay < 2^20
+  };
   std::vector<int64_t> off_from(size_t(R), 0);
   int64_t remote_rows = 0;
   for (int s = 0; s < R; ++s)
@@ -121,48 +135,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
       remote_rows += n_from[size_t(s)];
     }
   at::Tensor inbox = at::empty({remote_rows, h}, x.options());
-  std::vector<Pending> rx(static_cast<size_t>(R)), tx(static_cast<size_t>(R));
+  struct Piece {
+    int64_t expert, row, rows, offset;  // rows [row, row + rows) of the source's block: expert's rows from offset
+    Pending pending;
+  };
+  std::vector<std::vector<Piece>> incoming(static_cast<size_t>(R));
+  std::vector<Pending> outgoing;
   for (int i = 1; i < R; ++i) {
     const int s = (me - i + R) % R;
-    if (n_from[size_t(s)]) rx[size_t(s)] = p.recv(inbox.narrow(0, off_from[size_t(s)], n_from[size_t(s)]), s, 0);
+    const int64_t step = piece_rows(n_from[size_t(s)]);
+    uint32_t slot = 0;
+    for (int64_t e = 0, row = 0; e < Er; row += from(s, e), ++e)
+      for (int64_t o = 0; o < from(s, e); o += step) {
+        const int64_t m = std::min(step, from(s, e) - o);
+        incoming[size_t(s)].push_back(
+            {e, row + o, m, o, p.recv(inbox.narrow(0, off_from[size_t(s)] + row + o, m), s, slot++)});
+      }
   }
   for (int i = 1; i < R; ++i) {
     const int d = (me + i) % R;
-    if (n_to[size_t(d)]) tx[size_t(d)] = p.send(routed.narrow(0, off_to[size_t(d)], n_to[size_t(d)]), d, 0);
+    const int64_t step = piece_rows(n_to[size_t(d)]);
+    uint32_t slot = 0;
+    for (int64_t e = 0, row = 0; e < Er; row += Ca[me][d * Er + e], ++e)
+      for (int64_t o = 0; o < Ca[me][d * Er + e]; o += step) {
+        const int64_t m = std::min(step, Ca[me][d * Er + e] - o);
+        outgoing.push_back(p.send(routed.narrow(0, off_to[size_t(d)] + row + o, m), d, slot++));
+      }
   }
 
-  // Multiply each arriving block, expert by expert, into y at (local expert, source) order.
+  // Multiply rows of source s for expert e (starting at `offset` among them) into their place in y.
   at::Tensor y = at::empty({n_recv, f}, x.options());
   const bool fp32 = x.scalar_type() == at::kFloat;
   const at::Tensor w32 = fp32 ? w.contiguous() : w.to(at::kFloat);
-  auto multiply = [&](int s, const at::Tensor& block) {
-    if (block.size(0) == 0) return;
-    const at::Tensor a = fp32 ? block : block.to(at::kFloat);
-    int64_t row = 0, base = 0;
-    for (int64_t e = 0; e < Er; ++e) {
-      int64_t dst = base;
-      for (int s2 = 0; s2 < s; ++s2) dst += from(s2, e);
-      const int64_t n = from(s, e);
-      if (n) {
-        at::Tensor out = y.narrow(0, dst, n);
-        if (fp32)
-          at::mm_out(out, a.narrow(0, row, n), w32[e]);
-        else
-          out.copy_(at::mm(a.narrow(0, row, n), w32[e]));
-      }
-      row += n;
-      base += col[size_t(e)];
-    }
+  auto multiply = [&](int s, int64_t e, int64_t offset, const at::Tensor& rows) {
+    if (rows.size(0) == 0) return;
+    at::Tensor out = y.narrow(0, seg[size_t(s)][size_t(e)] + offset, rows.size(0));
+    if (fp32)
+      at::mm_out(out, rows, w32[e]);
+    else
+      out.copy_(at::mm(rows.to(at::kFloat), w32[e]));
   };
-  multiply(me, routed.narrow(0, off_to[size_t(me)], n_to[size_t(me)]));
+  // Our own rows first (no transfer), then every piece as it arrives, nearest sources first.
+  for (int64_t e = 0, row = 0; e < Er; row += from(me, e), ++e)
+    multiply(me, e, 0, routed.narrow(0, off_to[size_t(me)] + row, from(me, e)));
   for (int i = 1; i < R; ++i) {
     const int s = (me - i + R) % R;
-    if (!rx[size_t(s)].valid()) continue;
-    rx[size_t(s)].wait();
-    multiply(s, inbox.narrow(0, off_from[size_t(s)], n_from[size_t(s)]));
+    for (Piece& pc : incoming[size_t(s)]) {
+      pc.pending.wait();
+      multiply(s, pc.expert, pc.offset, inbox.narrow(0, off_from[size_t(s)] + pc.row, pc.rows));
+    }
   }
-  for (auto& t : tx)
-    if (t.valid()) t.wait();
+  for (auto& o : outgoing) o.wait();
 
   std::vector<int64_t> head = {kMagic, R, me, Er, t, K, n_recv, h};
   at::Tensor handle = at::cat({longs(head), C.narrow(1, me * Er, Er).reshape({-1}), counts, perm});

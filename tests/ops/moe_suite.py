@@ -34,6 +34,7 @@ CASES = {
     "all-to-rank-0": (6, 1, 8, 8, 2, 2, "rank0"),
     "all-local": (6, 0, 8, 8, 2, 2, "local"),
     "all-to-last-rank": (3, 2, 9, 7, 2, 1, "last"),
+    "several-pieces": (600, 0, 512, 16, 2, 2, "uniform"),  # > 512 KiB per pair: dispatch splits transfers
 }
 
 rank = world = 0
