@@ -165,15 +165,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
 
   // Multiply rows of source s for expert e (starting at `offset` among them) into their place in y.
   at::Tensor y = at::empty({n_recv, f}, x.options());
-  const bool fp32 = x.scalar_type() == at::kFloat;
-  const at::Tensor w32 = fp32 ? w.contiguous() : w.to(at::kFloat);
+  // ATen's CPU GEMM accumulates bf16/fp16 products in fp32 (opmath), so it runs on the input dtype directly;
+  // elsewhere (cuBLAS may reduce fp16 in fp16) the operands are widened to fp32 first.
+  const bool native = x.scalar_type() == at::kFloat || x.device().is_cpu();
+  const at::Tensor wk = native ? w.contiguous() : w.to(at::kFloat);
   auto multiply = [&](int s, int64_t e, int64_t offset, const at::Tensor& rows) {
     if (rows.size(0) == 0) return;
     at::Tensor out = y.narrow(0, seg[size_t(s)][size_t(e)] + offset, rows.size(0));
-    if (fp32)
-      at::mm_out(out, rows, w32[e]);
+    if (native)
+      at::mm_out(out, rows, wk[e]);
     else
-      out.copy_(at::mm(rows.to(at::kFloat), w32[e]));
+      out.copy_(at::mm(rows.to(at::kFloat), wk[e]));
   };
   // Our own rows first (no transfer), then every piece as it arrives, nearest sources first.
   for (int64_t e = 0, row = 0; e < Er; row += from(me, e), ++e)
