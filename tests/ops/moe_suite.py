@@ -3,10 +3,11 @@ for many routings (uniform, all tokens to one rank so the others receive none, a
 ranks, top-1 .. top-3), shapes and dtypes, each checked against the unfused computation in float64: every
 rank regenerates every rank's tokens, expert ids and weights from a shared seed, so it knows exactly which
 rows it must receive, in which order (local expert, source rank, token, choice), and what combine must give
-back. Also mismatched calls that must fail on every rank, and (with --opcheck) torch.library.opcheck.
+back. Also mismatched calls that must fail on every rank, and (with --opcheck) torch.library.opcheck,
+(with --compile) torch.compile(fullgraph=True).
 Prints one REPORT line: per family, the failures (empty when all passed).
 
-Usage: moe_suite.py [--backend mk|gloo] [--opcheck]
+Usage: moe_suite.py [--backend mk|gloo] [--opcheck] [--compile]
 """
 from __future__ import annotations
 
@@ -159,8 +160,24 @@ def check_opcheck() -> None:
             failures["opcheck"].append(f"{op}: {traceback.format_exc(limit=3)[-1500:]}")
 
 
+def check_compile() -> None:
+    """torch.compile(fullgraph=True) of a dispatch -> activation -> combine layer (the fake kernels, with the
+    data-dependent row count) against the eager result."""
+    def layer(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
+        y, _, handle = moe_dispatch_gemm(x, ids, w)
+        return moe_combine(torch.relu(y), handle, tw)
+
+    x, ids, tw, w = inputs("uniform", rank, torch.float32)
+    try:
+        got = torch.compile(layer, fullgraph=True)(x, ids, w, tw)
+        if problem := close(got, layer(x, ids, w, tw).double(), 1e-6):
+            failures["compile"].append(problem)
+    except Exception:
+        failures["compile"].append(traceback.format_exc(limit=3)[-1500:])
+
+
 def run(opcheck: bool) -> None:
-    for family in ("dispatch", "combine", "errors", "opcheck"):
+    for family in ("dispatch", "combine", "errors", "opcheck", "compile"):
         failures.setdefault(family, [])
     for dtype in DTYPES:
         for case in CASES:
@@ -171,6 +188,8 @@ def run(opcheck: bool) -> None:
     check_errors()
     if opcheck:
         check_opcheck()
+    if "--compile" in sys.argv:
+        check_compile()
 
 
 def main() -> None:
