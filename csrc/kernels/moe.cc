@@ -50,6 +50,14 @@ constexpr int64_t kMagic = 0x6d6b6d6f65;  // "mkmoe"
 constexpr int64_t kHeader = 8;
 constexpr int64_t kPieceBytes = int64_t(512) << 10;  // dispatch transfers rows in pieces of about this size
 
+// Non-mk backends move the rows by c10d send/recv, all posted up front: fine on Gloo (CPU); NCCL would
+// serialise the unbatched calls on one stream and deadlock, so other devices are refused until that path
+// uses batched p2p.
+void check_backend(const Group& g, const at::Tensor& t, const char* op) {
+  TORCH_CHECK(g.is_mk() || t.device().is_cpu(), "mk ", op, ": rank ", g.rank, ": on ", t.device(), " with the ",
+              g.backend_name(), " backend this op is not supported yet; use CPU tensors (mk or gloo)");
+}
+
 bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 at::Tensor longs(const std::vector<int64_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); }
@@ -58,6 +66,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
                                                                  const at::Tensor& w, c10::string_view group_name) {
   const char* op = "moe_dispatch_gemm";
   const Group g = resolve_group(std::string(group_name), x.device(), op);
+  check_backend(g, x, op);
   Pipeline p(g, op);
   const int R = p.size(), me = p.rank();
 
@@ -227,6 +236,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
                        c10::string_view group_name) {
   const char* op = "moe_combine";
   const Group g = resolve_group(std::string(group_name), y.device(), op);
+  check_backend(g, y, op);
   Pipeline p(g, op);
   const int R = p.size(), me = p.rank();
   Routing rt{};

@@ -107,6 +107,9 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
                                                   c10::string_view group_name, bool causal, std::optional<double> scale,
                                                   bool zigzag) {
   const Group grp = resolve_group(std::string(group_name), q.device(), kOp);
+  TORCH_CHECK(grp.is_mk() || q.device().is_cpu(), "mk ", kOp, ": rank ", grp.rank, ": on ", q.device(),
+              " with the ", grp.backend_name(), " backend this op is not supported yet (its ring of unbatched "
+              "send/recv would deadlock NCCL); use CPU tensors (mk or gloo)");
   Pipeline p(grp, kOp);
   const int R = p.size(), me = p.rank();
 
