@@ -15,3 +15,7 @@ from superkernel.ops.gemm import allgather_gemm, gemm_allreduce, gemm_reducescat
 from superkernel.ops.group_names import group_name
 
 __all__ = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "group_name"]
+from superkernel.ops.moe import moe_combine, moe_dispatch_gemm  # noqa: E402
+from superkernel.ops.attention import ring_attention  # noqa: E402
+
+__all__ += ["moe_dispatch_gemm", "moe_combine", "ring_attention"]

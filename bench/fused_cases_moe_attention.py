@@ -1,0 +1,162 @@
+"""Cases of bench/fused_ops.py for moe_dispatch_gemm, moe_combine and ring_attention.
+
+MoE shapes are (t, h, f, k, E_r) per rank: t tokens of hidden size h, top-k routing drawn uniformly over all
+E = R*E_r experts, expert weights [E_r, h, f]. The unfused dispatch is what a model does without the fused
+op: sort the rows by expert, all_to_all_single the counts, all_to_all_single the routed rows (uneven splits),
+then one matmul per (expert, source) block, back to back; the unfused combine is the all_to_all_single back
+and the weighted sum. compute = the expert matmuls (resp. the weighted sum) alone, comm = the two
+all_to_all_single calls alone.
+
+Attention shapes are (b, hq, hkv, s, d) per rank (s positions per rank, R*s in all). The unfused ring
+attention is all_gather_into_tensor of this rank's packed K/V, then scaled_dot_product_attention of the
+local queries over the gathered sequence (kv heads repeated for GQA; causal cases use a boolean mask for the
+zigzag positions that the fused op is given); compute = that SDPA alone, comm = the all_gather alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import superkernel.ops as mk
+from fused_registry import Case, Context, register
+from superkernel.ops.attention import zigzag_positions
+
+MOE_SHAPES = [(512, 512, 512, 2, 2), (2048, 512, 1024, 2, 2), (2048, 1024, 256, 2, 4)]
+ATTENTION_SHAPES = [(1, 8, 2, 512, 64), (1, 8, 8, 1024, 64)]
+
+
+def _gen(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(dtype)
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+def moe_cases_for(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> list[Case]:
+    R, g, dt, me = ctx.world_size, ctx.group, ctx.dtype, ctx.rank
+    E = R * er
+    x = _gen((t, h), dt, 10 + me)
+    w = _gen((er, h, f), dt, 20 + me, scale=h ** -0.5)
+    ids = torch.randint(0, E, (t, k), generator=torch.Generator().manual_seed(30 + me))
+    tw = torch.rand(t, k, generator=torch.Generator().manual_seed(40 + me)).to(dt)
+    y, _, handle = mk.moe_dispatch_gemm(x, ids, w, g)
+
+    # The unfused dispatch, step by step (the routing it needs is recomputed per call, like the fused op's).
+    def route() -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+        flat = ids.reshape(-1)
+        perm = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=E)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=g)  # [R, E_r]: what each source sends to my experts
+        send = counts.view(R, er).sum(1).tolist()
+        recv = recv_counts.view(R, er).sum(1).tolist()
+        return perm, send, recv, recv_counts.view(R, er)
+
+    perm0, send0, recv0, rc0 = route()
+    routed0 = x.index_select(0, perm0 // k)
+    received0 = x.new_empty((sum(recv0), h))
+    dist.all_to_all_single(received0, routed0, recv0, send0, group=g)
+
+    def expert_matmuls(received: torch.Tensor, rc: torch.Tensor) -> list[torch.Tensor]:
+        out, row = [], 0
+        for s in range(R):
+            for e in range(er):
+                n = int(rc[s, e])
+                if n:
+                    out.append(received[row:row + n] @ w[e])
+                row += n
+        return out
+
+    def dispatch_unfused() -> list[torch.Tensor]:
+        perm, send, recv, rc = route()
+        routed = x.index_select(0, perm // k)
+        received = x.new_empty((sum(recv), h))
+        dist.all_to_all_single(received, routed, recv, send, group=g)
+        return expert_matmuls(received, rc)
+
+    def dispatch_comm() -> None:
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        dist.all_to_all_single(torch.empty_like(counts), counts, group=g)
+        dist.all_to_all_single(received0, routed0, recv0, send0, group=g)
+
+    # The unfused combine: rows back along the reverse splits (y in (source, expert) order), weighted sum.
+    y_by_source = received0.new_empty((sum(recv0), f))
+    back = x.new_empty((t * k, f))
+    out = torch.zeros(t * k, f, dtype=torch.float32)
+    weights = tw.reshape(-1).float()
+
+    def weighted_sum(rows: torch.Tensor) -> torch.Tensor:
+        out.index_copy_(0, perm0, rows.float() * weights[perm0].unsqueeze(1))
+        return out.view(t, k, f).sum(1).to(dt)
+
+    def combine_unfused() -> torch.Tensor:
+        dist.all_to_all_single(back, y_by_source, send0, recv0, group=g)
+        return weighted_sum(back)
+
+    rows = t * k
+    flops = 2.0 * rows * h * f  # about this rank's share, when routing is uniform
+    elt = x.element_size()
+    shape = f"t={t} h={h} f={f} k={k} E={E} {_dt(dt)}"
+    return [
+        Case(op="moe_dispatch_gemm", shape=shape, fused=lambda: mk.moe_dispatch_gemm(x, ids, w, g),
+             unfused=dispatch_unfused, compute=lambda: expert_matmuls(received0, rc0), comm=dispatch_comm,
+             extra={"flops": flops, "comm_bytes": rows * h * elt * (R - 1) / R}),
+        Case(op="moe_combine", shape=shape, fused=lambda: mk.moe_combine(y, handle, tw, g),
+             unfused=combine_unfused, compute=lambda: weighted_sum(back),
+             comm=lambda: dist.all_to_all_single(back, y_by_source, send0, recv0, group=g),
+             extra={"flops": 2.0 * rows * f, "comm_bytes": rows * f * elt * (R - 1) / R}),
+    ]
+
+
+@register("moe")
+def moe_cases(ctx: Context) -> list[Case]:
+    shapes = [s for s in (ctx.shapes or MOE_SHAPES) if len(s) == 5]
+    return [c for s in shapes for c in moe_cases_for(ctx, *s)]
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def attention_case(ctx: Context, b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> Case:
+    R, g, dt, me = ctx.world_size, ctx.group, ctx.dtype, ctx.rank
+    q = _gen((b, hq, s, d), dt, 50 + me)
+    kv = _gen((2, b, hkv, s, d), dt, 60 + me)
+    k, v = kv[0], kv[1]
+    gathered = torch.empty((R, 2, b, hkv, s, d), dtype=dt)
+    zigzag = causal and s % 2 == 0
+    # Global positions of every rank's block, in gathered order, and of this rank's queries.
+    pos = torch.cat([zigzag_positions(r, R, s) if zigzag else torch.arange(r * s, (r + 1) * s) for r in range(R)])
+    mine = pos[me * s:(me + 1) * s]
+    mask = (pos.unsqueeze(0) <= mine.unsqueeze(1)) if causal else None  # True = attend
+    group_size = hq // hkv
+
+    def sdpa() -> torch.Tensor:
+        keys = gathered[:, 0].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
+        vals = gathered[:, 1].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
+        if group_size > 1:
+            keys, vals = keys.repeat_interleave(group_size, 1), vals.repeat_interleave(group_size, 1)
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+    def comm() -> None:
+        dist.all_gather_into_tensor(gathered.view(-1), kv.reshape(-1), group=g)
+
+    def unfused() -> torch.Tensor:
+        comm()
+        return sdpa()
+
+    comm()
+    visible = 0.5 if causal else 1.0
+    return Case(op="ring_attention", shape=f"b={b} hq={hq} hkv={hkv} s={s}x{R} d={d}{' causal' if causal else ''} {_dt(dt)}",
+                fused=lambda: mk.ring_attention(q, k, v, g, causal=causal, zigzag=zigzag), unfused=unfused,
+                compute=sdpa, comm=comm,
+                note="causal: fused zigzag layout skips masked blocks; unfused SDPA masks" if causal else "",
+                extra={"flops": 4.0 * b * hq * s * R * s * d * visible,
+                       "comm_bytes": (R - 1) * kv.numel() * kv.element_size()})
+
+
+@register("attention")
+def attention_cases(ctx: Context) -> list[Case]:
+    shapes = [s for s in (ctx.shapes or ATTENTION_SHAPES) if len(s) == 5]
+    return [attention_case(ctx, *s, causal) for s in shapes for causal in (False, True)]

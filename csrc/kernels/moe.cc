@@ -1,0 +1,335 @@
+// mk::moe_dispatch_gemm and mk::moe_combine: expert-parallel mixture-of-experts layers.
+//
+// Experts. E = R·E_r experts; rank r owns the contiguous block [r·E_r, (r+1)·E_r) and holds their weights
+// w [E_r, h, f].
+//
+// Dispatch. Every (token i, choice j) of this rank goes only to the rank that owns expert topk_ids[i, j].
+// The sender orders its rows by (global expert, token, choice) (a stable sort of the flattened ids), so the
+// rows for one destination are contiguous and already grouped by that destination's local expert. The
+// ranks first agree on shapes and exchange their per-expert counts (two small all_gathers), then exchange
+// exactly the routed rows (uneven point-to-point transfers; nothing is sent where the count is 0). As the
+// block from each source arrives (this rank's own block first, then the others), each of its per-expert
+// segments is multiplied by that expert's weight (fp32 accumulation) straight into its place in the
+// output, so the products of one block overlap the transfers of the next.
+//
+// Output order of y [n_recv, f]: by local expert, then source rank, then token index, then choice.
+//
+// Handle (int64, 1-d), everything combine needs to send the rows back and weight them:
+//   [0] kMagic  [1] R  [2] rank  [3] E_r  [4] t  [5] k  [6] n_recv  [7] h
+//   [8, 8 + R·E_r)                  recv counts: rows from source s for local expert e, at 8 + s·E_r + e
+//   [8 + R·E_r, 8 + 2·R·E_r)        send counts: rows this rank sent to each global expert
+//   [8 + 2·R·E_r, 8 + 2·R·E_r + t·k) send order: token·k + choice of each row sent, in sending order
+//
+// Combine. The reverse exchange: each rank returns to every source its rows (segments (e, s) for every
+// local expert e, which is the order the source sent them in); the home rank scales each returned row by
+// topk_weights[token, choice] into an fp32 [t, k, f] buffer and sums over k (a fixed order, whatever order
+// the blocks arrive in).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/argsort.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/group.h"
+#include "kernels/pipeline.h"
+
+namespace mk::kernels {
+namespace {
+
+constexpr int64_t kMagic = 0x6d6b6d6f65;  // "mkmoe"
+constexpr int64_t kHeader = 8;
+constexpr int64_t kPieceBytes = int64_t(512) << 10;  // dispatch transfers rows in pieces of about this size
+
+// Non-mk backends move the rows by c10d send/recv, all posted up front: fine on Gloo (CPU); NCCL would
+// serialise the unbatched calls on one stream and deadlock, so other devices are refused until that path
+// uses batched p2p.
+void check_backend(const Group& g, const at::Tensor& t, const char* op) {
+  TORCH_CHECK(g.is_mk() || t.device().is_cpu(), "mk ", op, ": rank ", g.rank, ": on ", t.device(), " with the ",
+              g.backend_name(), " backend this op is not supported yet; use CPU tensors (mk or gloo)");
+}
+
+bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+at::Tensor longs(const std::vector<int64_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tensor& x, const at::Tensor& topk_ids,
+                                                                 const at::Tensor& w, c10::string_view group_name) {
+  const char* op = "moe_dispatch_gemm";
+  const Group g = resolve_group(std::string(group_name), x.device(), op);
+  check_backend(g, x, op);
+  Pipeline p(g, op);
+  const int R = p.size(), me = p.rank();
+
+  std::string problem;
+  if (x.dim() != 2 || topk_ids.dim() != 2 || w.dim() != 3)
+    problem = c10::str("expected x [t, h], topk_ids [t, k], w [E_r, h, f]; got ", x.sizes(), ", ", topk_ids.sizes(),
+                       ", ", w.sizes());
+  else if (x.size(0) != topk_ids.size(0))
+    problem = c10::str("x has ", x.size(0), " tokens but topk_ids has ", topk_ids.size(0), " rows");
+  else if (x.size(1) != w.size(1))
+    problem = c10::str("x hidden size ", x.size(1), " differs from w's ", w.size(1), " (w is [E_r, h, f])");
+  else if (!float_type(x.scalar_type()) || x.scalar_type() != w.scalar_type())
+    problem = c10::str("x and w must share a dtype among float32, bfloat16, float16; got ", x.scalar_type(), " and ",
+                       w.scalar_type());
+  else if (topk_ids.scalar_type() != at::kLong && topk_ids.scalar_type() != at::kInt)
+    problem = c10::str("topk_ids must be int64 or int32, got ", topk_ids.scalar_type());
+  else if (w.size(0) == 0)
+    problem = "this rank owns no experts (w has E_r = 0)";
+  at::Tensor ids;
+  const int64_t E = problem.empty() ? w.size(0) * R : 0;
+  if (problem.empty()) {
+    ids = topk_ids.reshape({-1}).to(at::kLong);
+    if (ids.numel()) {
+      const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+      if (lo < 0 || hi >= E) {
+        problem = c10::str("expert id ", lo < 0 ? lo : hi, " is out of range [0, ", E, ") (", R, " ranks x ", w.size(0),
+                           " experts each)");
+      }
+    }
+  }
+  const bool ok = problem.empty();
+  p.agree({{"experts per rank (w.size(0))", ok ? w.size(0) : -1}, {"hidden size", ok ? x.size(1) : -1},
+           {"expert output size (w.size(2))", ok ? w.size(2) : -1}, {"dtype", dtype_code(x.scalar_type())}},
+          problem);
+
+  const int64_t t = x.size(0), K = topk_ids.size(1), Er = w.size(0), h = x.size(1), f = w.size(2);
+  // Route: rows in (global expert, token, choice) order, and how many go to each expert.
+  at::Tensor perm = at::argsort(ids, /*stable=*/true);
+  at::Tensor counts = at::bincount(ids, {}, E);
+  at::Tensor routed = x.index_select(0, perm.div(K, "floor"));  // [t·K, h], contiguous
+  const at::Tensor C = at::empty({R, E}, counts.options());        // [R, E]: rows rank s sends to expert e
+  p.allgather(counts, C.view({-1})).wait();  // flat: Gloo splits the output like the input
+  const auto Ca = C.accessor<int64_t, 2>();
+  auto from = [&](int s, int64_t e) { return Ca[s][me * Er + e]; };  // rows from s for my expert e
+
+  std::vector<int64_t> n_from(size_t(R), 0), n_to(size_t(R), 0), off_to(size_t(R), 0), col(size_t(Er), 0);
+  for (int s = 0; s < R; ++s)
+    for (int64_t e = 0; e < Er; ++e) {
+      n_from[size_t(s)] += from(s, e);
+      col[size_t(e)] += from(s, e);
+      n_to[size_t(s)] += Ca[me][s * Er + e];
+    }
+  for (int d = 1; d < R; ++d) off_to[size_t(d)] = off_to[size_t(d - 1)] + n_to[size_t(d - 1)];
+  int64_t n_recv = 0;
+  for (int64_t c : col) n_recv += c;
+
+  // Where the rows from source s for local expert e start in y (ordered by local expert, then source).
+  std::vector<std::vector<int64_t>> seg(size_t(R), std::vector<int64_t>(size_t(Er), 0));
+  for (int64_t e = 0, base = 0; e < Er; base += col[size_t(e)], ++e)
+    for (int s = 0, at_row = base; s < R; at_row += from(s, e), ++s) seg[size_t(s)][size_t(e)] = at_row;
+
+  // Post the transfers, in pieces of about kPieceBytes that never straddle two experts, so the product of
+  // one piece overlaps the transfer of the next: receives into one buffer (a region per source), then the
+  // sends of our routed rows. Both sides enumerate a pair's pieces the same way (expert by expert, from the
+  // agreed counts and hidden size), so piece j travels in message slot j.
+  const int64_t row_bytes = std::max<int64_t>(1, h * x.element_size());
+  auto piece_rows = [&](int64_t pair_rows) {
+    return std::max<int64_t>({1, kPieceBytes / row_bytes, (pair_rows >> 19) + 1});  // slots stay < 2^20
+  };
+  std::vector<int64_t> off_from(size_t(R), 0);
+  int64_t remote_rows = 0;
+  for (int s = 0; s < R; ++s)
+    if (s != me) {
+      off_from[size_t(s)] = remote_rows;
+      remote_rows += n_from[size_t(s)];
+    }
+  at::Tensor inbox = at::empty({remote_rows, h}, x.options());
+  struct Piece {
+    int64_t expert, row, rows, offset;  // rows [row, row + rows) of the source's block: expert's rows from offset
+    Pending pending;
+  };
+  std::vector<std::vector<Piece>> incoming(static_cast<size_t>(R));
+  std::vector<Pending> outgoing;
+  for (int i = 1; i < R; ++i) {
+    const int s = (me - i + R) % R;
+    const int64_t step = piece_rows(n_from[size_t(s)]);
+    uint32_t slot = 0;
+    for (int64_t e = 0, row = 0; e < Er; row += from(s, e), ++e)
+      for (int64_t o = 0; o < from(s, e); o += step) {
+        const int64_t m = std::min(step, from(s, e) - o);
+        incoming[size_t(s)].push_back(
+            {e, row + o, m, o, p.recv(inbox.narrow(0, off_from[size_t(s)] + row + o, m), s, slot++)});
+      }
+  }
+  for (int i = 1; i < R; ++i) {
+    const int d = (me + i) % R;
+    const int64_t step = piece_rows(n_to[size_t(d)]);
+    uint32_t slot = 0;
+    for (int64_t e = 0, row = 0; e < Er; row += Ca[me][d * Er + e], ++e)
+      for (int64_t o = 0; o < Ca[me][d * Er + e]; o += step) {
+        const int64_t m = std::min(step, Ca[me][d * Er + e] - o);
+        outgoing.push_back(p.send(routed.narrow(0, off_to[size_t(d)] + row + o, m), d, slot++));
+      }
+  }
+
+  // Multiply rows of source s for expert e (starting at `offset` among them) into their place in y.
+  at::Tensor y = at::empty({n_recv, f}, x.options());
+  // ATen's CPU GEMM accumulates bf16/fp16 products in fp32 (opmath), so it runs on the input dtype directly;
+  // elsewhere (cuBLAS may reduce fp16 in fp16) the operands are widened to fp32 first.
+  const bool native = x.scalar_type() == at::kFloat || x.device().is_cpu();
+  const at::Tensor wk = native ? w.contiguous() : w.to(at::kFloat);
+  auto multiply = [&](int s, int64_t e, int64_t offset, const at::Tensor& rows) {
+    if (rows.size(0) == 0) return;
+    at::Tensor out = y.narrow(0, seg[size_t(s)][size_t(e)] + offset, rows.size(0));
+    if (native)
+      at::mm_out(out, rows, wk[e]);
+    else
+      out.copy_(at::mm(rows.to(at::kFloat), wk[e]));
+  };
+  // Our own rows first (no transfer), then every piece as it arrives, nearest sources first.
+  for (int64_t e = 0, row = 0; e < Er; row += from(me, e), ++e)
+    multiply(me, e, 0, routed.narrow(0, off_to[size_t(me)] + row, from(me, e)));
+  for (int i = 1; i < R; ++i) {
+    const int s = (me - i + R) % R;
+    for (Piece& pc : incoming[size_t(s)]) {
+      pc.pending.wait();
+      multiply(s, pc.expert, pc.offset, inbox.narrow(0, off_from[size_t(s)] + pc.row, pc.rows));
+    }
+  }
+  for (auto& o : outgoing) o.wait();
+
+  std::vector<int64_t> head = {kMagic, R, me, Er, t, K, n_recv, h};
+  at::Tensor handle = at::cat({longs(head), C.narrow(1, me * Er, Er).reshape({-1}), counts, perm});
+  return {y, longs(col), handle};
+}
+
+// The routing a handle describes (after checking it belongs to this group and rank).
+struct Routing {
+  int64_t R, Er, t, K, n_recv;
+  at::Tensor recv_counts;  // [R, E_r]
+  at::Tensor sent;         // [R·E_r]
+  at::Tensor perm;         // [t·K]
+};
+
+std::string parse_handle(const at::Tensor& handle, int R, int me, Routing& out) {
+  if (handle.dim() != 1 || handle.scalar_type() != at::kLong || handle.numel() < kHeader)
+    return c10::str("handle must be the int64 routing tensor moe_dispatch_gemm returned; got ", handle.scalar_type(),
+                    " ", handle.sizes());
+  const at::Tensor hd = handle.contiguous();
+  const int64_t* p = hd.data_ptr<int64_t>();
+  if (p[0] != kMagic) return "handle is not a moe_dispatch_gemm routing handle";
+  if (p[1] != R || p[2] != me)
+    return c10::str("handle was made by rank ", p[2], " of a group of ", p[1], ", not rank ", me, " of ", R);
+  out.R = p[1];
+  out.Er = p[3];
+  out.t = p[4];
+  out.K = p[5];
+  out.n_recv = p[6];
+  if (handle.numel() != kHeader + 2 * out.R * out.Er + out.t * out.K) return "handle has the wrong length";
+  out.recv_counts = hd.narrow(0, kHeader, out.R * out.Er).view({out.R, out.Er});
+  out.sent = hd.narrow(0, kHeader + out.R * out.Er, out.R * out.Er);
+  out.perm = hd.narrow(0, kHeader + 2 * out.R * out.Er, out.t * out.K);
+  return "";
+}
+
+at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::Tensor& topk_weights,
+                       c10::string_view group_name) {
+  const char* op = "moe_combine";
+  const Group g = resolve_group(std::string(group_name), y.device(), op);
+  check_backend(g, y, op);
+  Pipeline p(g, op);
+  const int R = p.size(), me = p.rank();
+  Routing rt{};
+  std::string problem = parse_handle(handle, R, me, rt);
+  if (problem.empty()) {
+    if (y.dim() != 2 || y.size(0) != rt.n_recv)
+      problem = c10::str("y must be [n_recv = ", rt.n_recv, ", f] as moe_dispatch_gemm returned it; got ", y.sizes());
+    else if (!float_type(y.scalar_type()))
+      problem = c10::str("y must be float32, bfloat16 or float16, got ", y.scalar_type());
+    else if (topk_weights.dim() != 2 || topk_weights.size(0) != rt.t || topk_weights.size(1) != rt.K)
+      problem = c10::str("topk_weights must be [t, k] = [", rt.t, ", ", rt.K, "] like the topk_ids of the dispatch; got ",
+                         topk_weights.sizes());
+    else if (!topk_weights.is_floating_point())
+      problem = c10::str("topk_weights must be floating point, got ", topk_weights.scalar_type());
+  }
+  const bool ok = problem.empty();
+  p.agree({{"experts per rank", ok ? rt.Er : -1}, {"expert output size (y.size(1))", ok ? y.size(1) : -1},
+           {"dtype", dtype_code(y.scalar_type())}},
+          problem);
+
+  const int64_t Er = rt.Er, f = y.size(1), t = rt.t, K = rt.K;
+  const auto rc = rt.recv_counts.accessor<int64_t, 2>();
+  const auto sent = rt.sent.accessor<int64_t, 1>();
+  std::vector<int64_t> n_back(size_t(R), 0), n_home(size_t(R), 0), off_home(size_t(R), 0), col(size_t(Er), 0);
+  for (int s = 0; s < R; ++s)
+    for (int64_t e = 0; e < Er; ++e) {
+      n_back[size_t(s)] += rc[s][e];
+      col[size_t(e)] += rc[s][e];
+      n_home[size_t(s)] += sent[s * Er + e];
+    }
+  for (int d = 1; d < R; ++d) off_home[size_t(d)] = off_home[size_t(d - 1)] + n_home[size_t(d - 1)];
+  // Rows of y that belong to source s, in the order s sent them: segment (e, s) for every local expert e.
+  auto rows_for = [&](int s) {
+    std::vector<at::Tensor> parts;
+    int64_t base = 0;
+    for (int64_t e = 0; e < Er; ++e) {
+      int64_t start = base;
+      for (int s2 = 0; s2 < s; ++s2) start += rc[s2][e];
+      if (rc[s][e]) parts.push_back(y.narrow(0, start, rc[s][e]));
+      base += col[size_t(e)];
+    }
+    if (parts.size() == 1) return parts[0].contiguous();
+    return parts.empty() ? at::empty({0, f}, y.options()) : at::cat(parts);
+  };
+
+  std::vector<int64_t> off_in(size_t(R), 0);
+  int64_t remote_rows = 0;
+  for (int d = 0; d < R; ++d)
+    if (d != me) {
+      off_in[size_t(d)] = remote_rows;
+      remote_rows += n_home[size_t(d)];
+    }
+  at::Tensor inbox = at::empty({remote_rows, f}, y.options());
+  std::vector<Pending> rx(static_cast<size_t>(R)), tx(static_cast<size_t>(R));
+  for (int i = 1; i < R; ++i) {
+    const int d = (me + i) % R;  // the ranks our rows went to send them back
+    if (n_home[size_t(d)]) rx[size_t(d)] = p.recv(inbox.narrow(0, off_in[size_t(d)], n_home[size_t(d)]), d, 0);
+  }
+  for (int i = 1; i < R; ++i) {
+    const int s = (me - i + R) % R;
+    if (n_back[size_t(s)]) tx[size_t(s)] = p.send(rows_for(s), s, 0);
+  }
+
+  // Every (token, choice) comes back exactly once, so every row of acc is written: no need to zero it.
+  at::Tensor acc = at::empty({t * K, f}, y.options().dtype(at::kFloat));
+  const at::Tensor wflat = topk_weights.reshape({-1}).to(at::kFloat);
+  auto place = [&](int d, const at::Tensor& block) {
+    if (block.size(0) == 0) return;
+    const at::Tensor idx = rt.perm.narrow(0, off_home[size_t(d)], n_home[size_t(d)]);
+    acc.index_copy_(0, idx, block.to(at::kFloat) * wflat.index_select(0, idx).unsqueeze(1));  // never in place: y is the caller's
+  };
+  place(me, rows_for(me));
+  for (int i = 1; i < R; ++i) {
+    const int d = (me + i) % R;
+    if (!rx[size_t(d)].valid()) continue;
+    rx[size_t(d)].wait();
+    place(d, inbox.narrow(0, off_in[size_t(d)], n_home[size_t(d)]));
+  }
+  for (auto& t : tx)
+    if (t.valid()) t.wait();
+  return acc.view({t, K, f}).sum(1).to(y.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mk, m) {
+  m.def("moe_dispatch_gemm(Tensor x, Tensor topk_ids, Tensor w, str group_name) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_combine(Tensor y, Tensor handle, Tensor topk_weights, str group_name) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mk, CompositeExplicitAutograd, m) {
+  m.impl("moe_dispatch_gemm", &moe_dispatch_gemm);
+  m.impl("moe_combine", &moe_combine);
+}
+
+}  // namespace mk::kernels

@@ -1,0 +1,209 @@
+// mk::ring_attention: attention over a sequence sharded across the ranks of a group.
+//
+// Layout. Every rank holds s positions of a sequence of R·s. Contiguous (zigzag=False): rank r holds
+// [r·s, (r+1)·s). Zigzag (zigzag=True, s even, meant for causal masks): the sequence is cut into 2R chunks
+// of c = s/2 and rank r holds chunk r followed by chunk 2R−1−r, so every rank has the same amount of
+// unmasked causal work.
+//
+// Algorithm. K and V (packed into one buffer, in the input dtype) travel around the ring r → r+1: at step i
+// rank r holds the block of rank (r − i) mod R, sends it on and receives the next one while it computes
+// attention of its queries against the block it has (so the transfer of block i+1 overlaps the compute of
+// block i). Each block's partial result (output and log-sum-exp, fp32) is merged into the running one with
+// the log-sum-exp rule: lse = logaddexp(lse, lse_b); out = out·e^(lse_old−lse) + out_b·e^(lse_b−lse).
+// With a causal mask, every pair of (query chunk, key chunk) is classified by its global positions as fully
+// visible, fully masked (skipped) or diagonal (masked element-wise).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/logaddexp.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/group.h"
+#include "kernels/pipeline.h"
+
+namespace mk::kernels {
+namespace {
+
+constexpr const char* kOp = "ring_attention";
+
+// A run of consecutive sequence positions held by one rank: global start, offset in the local block, length.
+struct Chunk {
+  int64_t pos, off, len;
+};
+
+std::vector<Chunk> chunks_of(int rank, int R, int64_t s, bool zigzag) {
+  if (!zigzag) return {{int64_t(rank) * s, 0, s}};
+  const int64_t c = s / 2;
+  return {{int64_t(rank) * c, 0, c}, {int64_t(2 * R - 1 - rank) * c, c, c}};
+}
+
+enum class Vis { full, none, partial };
+
+Vis visibility(const Chunk& q, const Chunk& k, bool causal) {
+  if (!causal || q.len == 0 || k.len == 0) return q.len && k.len ? Vis::full : Vis::none;
+  if (k.pos + k.len - 1 <= q.pos) return Vis::full;
+  if (k.pos > q.pos + q.len - 1) return Vis::none;
+  return Vis::partial;
+}
+
+// Positions where key > query: the causal mask of a partial pair, [q.len, k.len].
+at::Tensor causal_mask(const Chunk& q, const Chunk& k) {
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor qp = at::arange(q.pos, q.pos + q.len, opts).unsqueeze(1);
+  at::Tensor kp = at::arange(k.pos, k.pos + k.len, opts).unsqueeze(0);
+  return kp.gt(qp);
+}
+
+// Replace -inf (rows that saw no key yet) by 0 so that exp(x - m) stays 0 instead of NaN.
+at::Tensor finite_or_zero(const at::Tensor& m) { return m.masked_fill(m.isneginf(), 0.0); }
+
+// Merge a block's partial result (bout [b, hkv, g, sq, d], blse [b, hkv, g, sq]) into the running one (views
+// into the fp32 accumulators) with the log-sum-exp rule.
+void merge(const at::Tensor& bout, const at::Tensor& blse, at::Tensor out, at::Tensor lse) {
+  at::Tensor merged = at::logaddexp(lse, blse);
+  at::Tensor m = finite_or_zero(merged);
+  out.mul_(at::exp(lse - m).unsqueeze(-1)).add_(bout * at::exp(blse - m).unsqueeze(-1));
+  lse.copy_(merged);
+}
+
+// Attention of q [b, hkv, g, sq, d] against k, v [b, hkv, sk, d] (all fp32) with an optional element mask
+// (true = masked): the block's output and log-sum-exp, by plain ATen ops (any device).
+std::pair<at::Tensor, at::Tensor> attend_generic(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& mask, double scale) {
+  at::Tensor scores = at::matmul(q, k.unsqueeze(2).transpose(-1, -2)).mul_(scale);  // [b, hkv, g, sq, sk]
+  if (mask) scores.masked_fill_(*mask, -std::numeric_limits<double>::infinity());
+  at::Tensor blse = at::logsumexp(scores, -1);
+  at::Tensor p = at::exp(scores.sub_(finite_or_zero(blse).unsqueeze(-1)));
+  return {at::matmul(p, v.unsqueeze(2)), blse};
+}
+
+// The same through ATen's fused CPU flash-attention kernel (tiled, never materialises the score matrix;
+// returns the log-sum-exp too). k, v are [b, hq, sk, d] here (kv heads already repeated for GQA); `diagonal`:
+// query i sees keys 0..i (the pair covers the same positions).
+std::pair<at::Tensor, at::Tensor> attend_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             bool diagonal, double scale) {
+  const auto b = q.size(0), hkv = q.size(1), g = q.size(2), sq = q.size(3), d = q.size(4);
+  auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.reshape({b, hkv * g, sq, d}), k, v, 0.0, diagonal,
+                                                                 std::nullopt, scale);
+  return {o.reshape({b, hkv, g, sq, d}), l.reshape({b, hkv, g, sq})};
+}
+
+std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  c10::string_view group_name, bool causal, std::optional<double> scale,
+                                                  bool zigzag) {
+  const Group grp = resolve_group(std::string(group_name), q.device(), kOp);
+  TORCH_CHECK(grp.is_mk() || q.device().is_cpu(), "mk ", kOp, ": rank ", grp.rank, ": on ", q.device(),
+              " with the ", grp.backend_name(), " backend this op is not supported yet (its ring of unbatched "
+              "send/recv would deadlock NCCL); use CPU tensors (mk or gloo)");
+  Pipeline p(grp, kOp);
+  const int R = p.size(), me = p.rank();
+
+  // Every rank checks its own arguments and every rank's description, so a bad or mismatched call fails on
+  // every rank at the same point, before any data moves.
+  std::string local_problem;
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
+    local_problem = c10::str("q, k, v must be 4-d [batch, heads, seq, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  else if (k.sizes() != v.sizes())
+    local_problem = c10::str("k ", k.sizes(), " and v ", v.sizes(), " differ in shape");
+  else if (q.size(0) != k.size(0) || q.size(2) != k.size(2) || q.size(3) != k.size(3))
+    local_problem = c10::str("q ", q.sizes(), " and k ", k.sizes(), " disagree in batch, sequence or head_dim");
+  else if (k.size(1) == 0 || q.size(1) % k.size(1) != 0)
+    local_problem = c10::str("query heads (", q.size(1), ") must be a multiple of key/value heads (", k.size(1), ")");
+  else if (q.scalar_type() != k.scalar_type() || q.scalar_type() != v.scalar_type())
+    local_problem = c10::str("q, k, v dtypes differ: ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  else if (!(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf))
+    local_problem = c10::str("dtype ", q.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  else if (zigzag && q.size(2) % 2 != 0)
+    local_problem = c10::str("zigzag layout needs an even local sequence length, got ", q.size(2));
+  const bool ok = local_problem.empty();
+  const double sc = scale.value_or(ok && q.size(3) > 0 ? 1.0 / std::sqrt(double(q.size(3))) : 1.0);
+  int64_t sc_bits = 0;
+  static_assert(sizeof(double) == sizeof(int64_t));
+  std::memcpy(&sc_bits, &sc, sizeof sc_bits);
+  auto dim = [&](const at::Tensor& t, int64_t i) { return ok ? t.size(i) : -1; };
+  p.agree({{"batch", dim(q, 0)}, {"query heads", dim(q, 1)}, {"kv heads", dim(k, 1)}, {"local sequence", dim(q, 2)},
+           {"head_dim", dim(q, 3)}, {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
+           {"scale (bits of the double)", sc_bits}},
+          local_problem);
+
+  const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), s = q.size(2), d = q.size(3), g = hq / hkv;
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor q32 = q.to(at::kFloat).reshape({b, hkv, g, s, d});
+  at::Tensor out = at::zeros({b, hkv, g, s, d}, f32);
+  at::Tensor lse = at::full({b, hkv, g, s}, -std::numeric_limits<double>::infinity(), f32);
+  const auto my_chunks = chunks_of(me, R, s, zigzag);
+  const bool on_cpu = q.device().is_cpu();
+
+  // Double-buffered K/V blocks; block i+1 arrives while block i is computed.
+  at::Tensor cur = at::stack({k, v}).contiguous();  // [2, b, hkv, s, d], input dtype
+  at::Tensor nxt = R > 1 ? at::empty_like(cur) : at::Tensor();
+  const int right = (me + 1) % R, left = (me - 1 + R) % R;
+  for (int step = 0; step < R; ++step) {
+    const int src = (me - step + R) % R;
+    Pending sent, received;
+    if (step + 1 < R && s > 0) {
+      sent = p.send(cur, right, uint32_t(step));
+      received = p.recv(nxt, left, uint32_t(step));
+    }
+    const auto their_chunks = chunks_of(src, R, s, zigzag);
+    at::Tensor kb, vb, kx, vx;
+    for (const Chunk& qc : my_chunks) {
+      for (const Chunk& kc : their_chunks) {
+        const Vis vis = visibility(qc, kc, causal);
+        if (vis == Vis::none) continue;
+        if (!kb.defined()) {
+          kb = cur[0].to(at::kFloat);
+          vb = cur[1].to(at::kFloat);
+          if (on_cpu) {  // repeat kv heads for the fused kernel (a view when there is no grouping)
+            kx = g == 1 ? kb : kb.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
+            vx = g == 1 ? vb : vb.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
+          }
+        }
+        const bool diagonal = vis == Vis::partial && qc.pos == kc.pos && qc.len == kc.len;
+        at::Tensor qv = q32.narrow(3, qc.off, qc.len);
+        std::pair<at::Tensor, at::Tensor> part;
+        if (on_cpu && (vis == Vis::full || diagonal)) {
+          part = attend_cpu(qv, kx.narrow(2, kc.off, kc.len), vx.narrow(2, kc.off, kc.len), diagonal, sc);
+        } else {
+          std::optional<at::Tensor> mask;
+          if (vis == Vis::partial) mask = causal_mask(qc, kc);
+          part = attend_generic(qv, kb.narrow(2, kc.off, kc.len), vb.narrow(2, kc.off, kc.len), mask, sc);
+        }
+        merge(part.first, part.second, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
+      }
+    }
+    if (sent.valid()) {
+      sent.wait();
+      received.wait();
+      std::swap(cur, nxt);
+    }
+  }
+  return {out.reshape({b, hq, s, d}).to(q.scalar_type()), lse.reshape({b, hq, s})};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mk, m) {
+  m.def(
+      "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, bool causal=False, float? scale=None, "
+      "bool zigzag=False) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mk, CompositeExplicitAutograd, m) { m.impl("ring_attention", &ring_attention); }
+
+}  // namespace mk::kernels

@@ -1,0 +1,155 @@
+"""Runs inside every rank of a world (tests/transport/world.py): mk.ring_attention for many shapes, dtypes
+and options, each checked against torch.nn.functional.scaled_dot_product_attention over the whole sequence
+in float64 (every rank regenerates the global q, k, v from a shared seed and takes its own positions), plus
+the log-sum-exp against a float64 reference, mismatched calls that must fail on every rank, and (with
+--opcheck) torch.library.opcheck. Prints one REPORT line: per family, the failures (empty when all passed).
+
+Usage: attention_suite.py [--backend mk|gloo] [--opcheck]
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import traceback
+import zlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import superkernel  # noqa: F401  (registers "mk")
+from superkernel.ops.attention import ring_attention, zigzag_positions
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (batch, query heads, kv heads, local sequence, head_dim)
+SHAPES = [(1, 1, 1, 1, 4), (2, 4, 2, 5, 8), (1, 6, 2, 7, 16), (2, 3, 1, 13, 5), (1, 4, 4, 6, 8), (1, 2, 1, 10, 3)]
+
+rank = world = 0
+failures: dict[str, list[str]] = defaultdict(list)
+
+
+def generator(key: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(key.encode()))
+
+
+def positions(r: int, s: int, zigzag: bool) -> torch.Tensor:
+    return zigzag_positions(r, world, s) if zigzag else torch.arange(r * s, (r + 1) * s)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over the whole sequence, in float64: SDPA (GQA by repeating kv heads) and the log-sum-exp."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-1, -2) * sc
+    if causal:
+        n = q.shape[2]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return out, torch.logsumexp(scores, dim=-1)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> str:
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.numel() == 0:
+        return ""
+    err = (got.double() - want).abs().max().item()
+    bound = tol * (1 + want.abs().max().item())
+    return "" if err <= bound else f"max abs error {err:.3g} > {bound:.3g}"
+
+
+def check_case(shape: tuple, dtype: torch.dtype, causal: bool, zigzag: bool, scale: float | None) -> None:
+    b, hq, hkv, s, d = shape
+    name = f"{shape} {dtype} causal={causal} zigzag={zigzag} scale={scale}"
+    gen = generator(f"attn/{shape}/{dtype}")
+    n = world * s
+    q, k, v = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64).to(dtype) for h in (hq, hkv, hkv))
+    pos = positions(rank, s, zigzag)
+    out, lse = ring_attention(q[:, :, pos].contiguous(), k[:, :, pos].contiguous(), v[:, :, pos].contiguous(),
+                              causal=causal, scale=scale, zigzag=zigzag)
+    want_out, want_lse = reference(q.double(), k.double(), v.double(), causal, scale)
+    if out.dtype != dtype or lse.dtype != torch.float32:
+        failures["attention"].append(f"{name}: dtypes {out.dtype}, {lse.dtype}")
+    for what, got, want in (("out", out, want_out[:, :, pos]), ("lse", lse, want_lse[:, :, pos])):
+        if problem := close(got, want, TOL[dtype]):
+            failures["attention"].append(f"{name}: {what}: {problem}")
+
+
+def expect_error(family: str, name: str, fn, needle: str) -> None:
+    try:
+        fn()
+    except RuntimeError as e:
+        if needle not in str(e):
+            failures[family].append(f"{name}: error without {needle!r}: {e}")
+        return
+    failures[family].append(f"{name}: no error")
+
+
+def check_errors() -> None:
+    x = torch.randn(1, 2, 4, 8)
+    # one rank passes a different local sequence length: every rank must raise
+    s = 5 if rank == world - 1 else 4
+    q = torch.randn(1, 2, s, 8)
+    if world > 1:
+        expect_error("errors", "sequence length differs", lambda: ring_attention(q, q, q), "local sequence")
+    bad_heads = torch.randn(1, 3, 4, 8) if rank == 0 else x
+    expect_error("errors", "query heads not a multiple", lambda: ring_attention(bad_heads, x[:, :2], x[:, :2]),
+                 "rank 0")
+    if world > 1:
+        expect_error("errors", "causal differs", lambda: ring_attention(x, x, x, causal=rank == 0), "causal")
+    # the group stays usable after errors
+    check_case((1, 2, 1, 3, 4), torch.float32, True, False, None)
+
+
+def check_opcheck() -> None:
+    q = torch.randn(1, 4, 6, 8)
+    k = torch.randn(1, 2, 6, 8)
+    name = dist.distributed_c10d._get_default_group().group_name
+    for causal, zigzag in ((False, False), (True, True)):
+        try:
+            torch.library.opcheck(torch.ops.mk.ring_attention.default, (q, k, k, name, causal, None, zigzag))
+        except Exception:
+            failures["opcheck"].append(f"causal={causal} zigzag={zigzag}: {traceback.format_exc(limit=3)}")
+
+
+def run(opcheck: bool) -> None:
+    families = {"attention": [], "errors": [], "opcheck": []}
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            for causal in (False, True):
+                for zigzag in ((False, True) if shape[3] % 2 == 0 else (False,)):
+                    scale = 0.3 if shape[4] == 5 else None
+                    try:
+                        check_case(shape, dtype, causal, zigzag, scale)
+                    except Exception:
+                        failures["attention"].append(f"{shape} {dtype} causal={causal} zigzag={zigzag}: "
+                                                     f"{traceback.format_exc(limit=4)}")
+    check_errors()
+    if opcheck:
+        check_opcheck()
+    for f in families:
+        failures.setdefault(f, [])
+
+
+def main() -> None:
+    global rank, world
+    backend = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else "mk"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.monotonic()
+    run("--opcheck" in sys.argv)
+    dist.barrier()
+    sys.stdout.write("REPORT " + json.dumps({"rank": rank, "failures": failures,
+                                             "seconds": round(time.monotonic() - start, 2)}) + "\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

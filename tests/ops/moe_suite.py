@@ -1,0 +1,210 @@
+"""Runs inside every rank of a world (tests/transport/world.py): mk.moe_dispatch_gemm and mk.moe_combine
+for many routings (uniform, all tokens to one rank so the others receive none, all local, t = 0 or 1 on some
+ranks, top-1 .. top-3), shapes and dtypes, each checked against the unfused computation in float64: every
+rank regenerates every rank's tokens, expert ids and weights from a shared seed, so it knows exactly which
+rows it must receive, in which order (local expert, source rank, token, choice), and what combine must give
+back. Also mismatched calls that must fail on every rank, and (with --opcheck) torch.library.opcheck,
+(with --compile) torch.compile(fullgraph=True).
+Prints one REPORT line: per family, the failures (empty when all passed).
+
+Usage: moe_suite.py [--backend mk|gloo] [--opcheck] [--compile]
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+import zlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+import superkernel  # noqa: F401  (registers "mk")
+from superkernel.ops.moe import moe_combine, moe_dispatch_gemm
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# name: (tokens on rank 0, extra tokens per rank, h, f, top-k, experts per rank, routing)
+CASES = {
+    "uniform": (5, 2, 16, 8, 2, 2, "uniform"),
+    "top1-awkward": (7, 3, 13, 11, 1, 3, "uniform"),
+    "top3-one-expert-per-rank": (4, 1, 8, 5, 3, 1, "uniform"),
+    "empty-and-single-token": (0, 1, 6, 4, 2, 2, "uniform"),
+    "all-to-rank-0": (6, 1, 8, 8, 2, 2, "rank0"),
+    "all-local": (6, 0, 8, 8, 2, 2, "local"),
+    "all-to-last-rank": (3, 2, 9, 7, 2, 1, "last"),
+    "several-pieces": (600, 0, 512, 16, 2, 2, "uniform"),  # > 512 KiB per pair: dispatch splits transfers
+}
+
+rank = world = 0
+failures: dict[str, list[str]] = defaultdict(list)
+
+
+def generator(key: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(key.encode()))
+
+
+def inputs(case: str, r: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Rank r's x [t, h], topk_ids [t, k], topk_weights [t, k] and w [E_r, h, f] for `case`."""
+    t0, dt, h, f, k, er, routing = CASES[case]
+    t = t0 + dt * r
+    g = generator(f"moe/{case}/{r}/{dtype}")
+    n_experts = er * world
+    x = torch.randn(t, h, generator=g, dtype=torch.float64).to(dtype)
+    lo, hi = {"uniform": (0, n_experts), "rank0": (0, er), "local": (r * er, (r + 1) * er),
+              "last": ((world - 1) * er, n_experts)}[routing]
+    ids = torch.randint(lo, hi, (t, k), generator=g)
+    tw = torch.rand(t, k, generator=g, dtype=torch.float64).to(dtype)
+    w = (torch.randn(er, h, f, generator=g, dtype=torch.float64) / h ** 0.5).to(dtype)
+    return x, ids, tw, w
+
+
+def reference(case: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's dispatch output, counts and combine output, in float64 from the (rounded) inputs."""
+    er = CASES[case][5]
+    every = [inputs(case, r, dtype) for r in range(world)]
+    ws = [w.double() for *_, w in every]
+    rows, counts = [], []
+    for e in range(er):
+        expert = rank * er + e
+        n = 0
+        for x, ids, _, _ in every:
+            for i, j in (ids == expert).nonzero().tolist():  # row-major: token, then choice
+                rows.append(x[i].double() @ ws[rank][e])
+                n += 1
+        counts.append(n)
+    f = CASES[case][3]
+    y = torch.stack(rows) if rows else torch.zeros(0, f, dtype=torch.float64)
+    x, ids, tw, _ = every[rank]
+    out = torch.zeros(x.shape[0], f, dtype=torch.float64)
+    for i in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[i, j])
+            out[i] += tw[i, j].double() * (x[i].double() @ ws[e // er][e % er])
+    return y, torch.tensor(counts), out
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> str:
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.numel() == 0:
+        return ""
+    err = (got.double() - want).abs().max().item()
+    bound = tol * (1 + want.abs().max().item())
+    return "" if err <= bound else f"max abs error {err:.3g} > {bound:.3g}"
+
+
+def check_case(case: str, dtype: torch.dtype) -> None:
+    name = f"{case} {dtype}"
+    x, ids, tw, w = inputs(case, rank, dtype)
+    y, counts, handle = moe_dispatch_gemm(x, ids, w)
+    out = moe_combine(y, handle, tw)
+    want_y, want_counts, want_out = reference(case, dtype)
+    if y.dtype != dtype or out.dtype != dtype or counts.dtype != torch.int64:
+        failures["dispatch"].append(f"{name}: dtypes y {y.dtype}, out {out.dtype}, counts {counts.dtype}")
+    if not torch.equal(counts, want_counts):
+        failures["dispatch"].append(f"{name}: counts {counts.tolist()} != {want_counts.tolist()}")
+    if problem := close(y, want_y, TOL[dtype]):
+        failures["dispatch"].append(f"{name}: y: {problem}")
+    if problem := close(out, want_out, TOL[dtype]):
+        failures["combine"].append(f"{name}: {problem}")
+
+
+def expect_error(name: str, fn, needle: str) -> None:
+    try:
+        fn()
+    except RuntimeError as e:
+        if needle not in str(e):
+            failures["errors"].append(f"{name}: error without {needle!r}: {str(e)[:300]}")
+        return
+    failures["errors"].append(f"{name}: no error")
+
+
+def check_errors() -> None:
+    x = torch.randn(4, 8)
+    ids = torch.randint(0, 2 * world, (4, 2))
+    w = torch.randn(2, 8, 5)
+    if world > 1:
+        wide = torch.randn(4, 9) if rank == world - 1 else x
+        wide_w = torch.randn(2, 9, 5) if rank == world - 1 else w
+        expect_error("hidden size differs", lambda: moe_dispatch_gemm(wide, ids, wide_w), "hidden size")
+        more = torch.randn(3, 8, 5) if rank == 0 else w
+        expect_error("experts per rank differ", lambda: moe_dispatch_gemm(x, ids, more), "experts per rank")
+        half = w.half() if rank == 0 else w
+        expect_error("dtype differs", lambda: moe_dispatch_gemm(x.to(half.dtype), ids, half), "dtype")
+    bad = ids.clone()
+    if rank == 0:
+        bad[1, 1] = 2 * world  # one past the last expert
+    expect_error("expert id out of range", lambda: moe_dispatch_gemm(x, bad, w),
+                 "out of range" if rank == 0 else "rank 0")
+    y, _, handle = moe_dispatch_gemm(x, ids, w)
+    tw = torch.rand(4, 3) if rank == 0 else torch.rand(4, 2)
+    expect_error("combine weights of the wrong shape", lambda: moe_combine(y, handle, tw),
+                 "topk_weights" if rank == 0 else "rank 0")
+    check_case("uniform", torch.float32)  # the group is still usable
+
+
+def check_opcheck() -> None:
+    name = dist.distributed_c10d._get_default_group().group_name
+    x = torch.randn(5, 8)
+    ids = torch.randint(0, 2 * world, (5, 2))
+    w = torch.randn(2, 8, 4)
+    for op, args in (("moe_dispatch_gemm", lambda: (x, ids, w, name)),
+                     ("moe_combine", lambda: (*torch.ops.mk.moe_dispatch_gemm(x, ids, w, name)[::2],
+                                              torch.rand(5, 2), name))):
+        try:
+            torch.library.opcheck(getattr(torch.ops.mk, op).default, args())
+        except Exception:
+            failures["opcheck"].append(f"{op}: {traceback.format_exc(limit=3)[-1500:]}")
+
+
+def check_compile() -> None:
+    """torch.compile(fullgraph=True) of a dispatch -> activation -> combine layer (the fake kernels, with the
+    data-dependent row count) against the eager result."""
+    def layer(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
+        y, _, handle = moe_dispatch_gemm(x, ids, w)
+        return moe_combine(torch.relu(y), handle, tw)
+
+    x, ids, tw, w = inputs("uniform", rank, torch.float32)
+    try:
+        got = torch.compile(layer, fullgraph=True)(x, ids, w, tw)
+        if problem := close(got, layer(x, ids, w, tw).double(), 1e-6):
+            failures["compile"].append(problem)
+    except Exception:
+        failures["compile"].append(traceback.format_exc(limit=3)[-1500:])
+
+
+def run(opcheck: bool) -> None:
+    for family in ("dispatch", "combine", "errors", "opcheck", "compile"):
+        failures.setdefault(family, [])
+    for dtype in DTYPES:
+        for case in CASES:
+            try:
+                check_case(case, dtype)
+            except Exception:
+                failures["dispatch"].append(f"{case} {dtype}: {traceback.format_exc(limit=4)[-1500:]}")
+    check_errors()
+    if opcheck:
+        check_opcheck()
+    if "--compile" in sys.argv:
+        check_compile()
+
+
+def main() -> None:
+    global rank, world
+    backend = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else "mk"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.monotonic()
+    run("--opcheck" in sys.argv)
+    dist.barrier()
+    sys.stdout.write("REPORT " + json.dumps({"rank": rank, "failures": failures,
+                                             "seconds": round(time.monotonic() - start, 2)}) + "\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""mk.ring_attention against float64 scaled_dot_product_attention over the whole sequence
+(attention_suite.py) for world sizes 1-4, over shared memory and TCP (SUPERKERNEL_TRANSPORT), and on Gloo (the backend's own send/recv).
+Each world is started once and runs every case; the per-family results are asserted by separate tests so a
+failure names the family, world and transport. opcheck runs in the 2-rank shm world."""
+from __future__ import annotations
+
+import pytest
+
+from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
+
+WORLDS = MK_WORLDS + [(3, "gloo")]
+FAMILIES = ["attention", "errors", "opcheck"]
+worlds = WorldCache("attention_suite.py", timeout=240)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("world,transport", WORLDS, ids=[f"{w}ranks-{t}" for w, t in WORLDS])
+def test_ring_attention(world: int, transport: str, family: str) -> None:
+    args = ["--opcheck"] if (world, transport) == (2, "shm") else []
+    problems = failures_of(worlds.reports(world, transport, args), family)
+    assert not problems, "\n".join(problems[:20])
