@@ -50,6 +50,23 @@ std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char*
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
 
+// The step every GEMM op starts with: this rank's chunk proposal, then agree() on the shapes (plus `extra`
+// fields), so either every rank proceeds with rank 0's chunk count or every rank raises. Returns that count.
+int64_t agree_chunks(Pipeline& p, const at::Tensor& a, const char* k_name, bool k_must_match, int64_t m, int64_t k,
+                     int64_t n, int64_t requested, ChunkModel model, const std::string& err,
+                     std::vector<Field> extra = {}) {
+  model.dtype = a.scalar_type();
+  const int64_t proposal = err.empty() ? p.chunks(requested, model) : 1;
+  std::vector<Field> fields{{"m", m}, {k_name, k, k_must_match}, {"n", n}, {"dtype", dtype_code(a.scalar_type())}};
+  fields.insert(fields.end(), extra.begin(), extra.end());
+  fields.push_back({"chunks", proposal, false});
+  const int64_t C = p.agree(std::move(fields), err)[0].back();
+  p.use_chunks(C);
+  p.trace(c10::str("m=", m, " ", k_name, "=", k, " n=", n, " ", a.scalar_type(), " chunks=", C, " (proposed ",
+                   proposal, ")"));
+  return C;
+}
+
 // gemm_reducescatter on mk: a ring of partial sums straight over the transport. At step s rank r works on
 // block (r - s - 1) mod R: it multiplies its own part of that block, adds the running sum received from the
 // previous rank and sends it on to the next; at the last step the block is r's own and the sum is final.
@@ -117,14 +134,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.comm_bytes = double(R - 1) * double(std::max<int64_t>(m, 0)) * double(std::max<int64_t>(k, 0)) * a_in.element_size();
   model.flops = 2.0 * R * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, m);
-  model.dtype = a_in.scalar_type();
-  const int64_t proposal = err.empty() ? p.chunks(chunks, model) : 1;
-  auto all = p.agree({{"m", m}, {"k", k}, {"n", n}, {"dtype", dtype_code(a_in.scalar_type())},
-                      {"return_gathered", int64_t(return_gathered), false}, {"chunks", proposal, false}},
-                     err);
-  const int64_t C = all[0][5];
-  p.use_chunks(C);
-  p.trace(c10::str("m=", m, " k=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
+  const int64_t C = agree_chunks(p, a_in, "k", true, m, k, n, chunks, model, err,
+                                 {{"return_gathered", int64_t(return_gathered), false}});
 
   at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   at::Tensor gathered = at::empty({R * m, k}, a.options());
@@ -209,14 +220,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   model.comm_bytes = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, m);
-  model.dtype = a_in.scalar_type();
-  const int64_t proposal = err.empty() ? p.chunks(chunks, model) : 1;
-  auto all = p.agree({{"m", m}, {"k_r", k, false}, {"n", n}, {"dtype", dtype_code(a_in.scalar_type())},
-                      {"chunks", proposal, false}},
-                     err);
-  const int64_t C = all[0][4];
-  p.use_chunks(C);
-  p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
+  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err);
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
@@ -271,14 +275,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, mb);
-  model.dtype = a_in.scalar_type();
-  const int64_t proposal = err.empty() ? p.chunks(chunks, model) : 1;
-  auto all = p.agree({{"m", m}, {"k_r", k, false}, {"n", n}, {"dtype", dtype_code(a_in.scalar_type())},
-                      {"chunks", proposal, false}},
-                     err);
-  const int64_t C = all[0][4];
-  p.use_chunks(C);
-  p.trace(c10::str("m=", m, " k_r=", k, " n=", n, " ", a_in.scalar_type(), " chunks=", C, " (proposed ", proposal, ")"));
+  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err);
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();

@@ -354,39 +354,15 @@ void Pipeline::record_timing() {
   t.best_seconds[i] = t.best_seconds[i] == 0 ? secs : std::min(t.best_seconds[i], secs);
 }
 
-Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) {
-  TORCH_CHECK(t.is_contiguous(), "mk ", op_, ": rank ", g_.rank, ": send buffer must be contiguous");
-  TORCH_CHECK(slot < (1u << 20), "mk ", op_, ": slot ", slot, " out of range");
-  const std::string what = cat("mk ", op_, ": send to peer ", peer, " (message ", slot, ")");
-  if (g_.is_mk()) {
-    auto st = std::make_shared<Pending::State>();
-    st->kind = Pending::State::Kind::request;
-    st->what = what;
-    st->peer = peer;
-    st->rank = g_.rank;
-    st->timeout = g_.timeout;
-    st->comm = &g_.comm();
-    st->generation = cancel_generation().load();
-    st->keep = {t};
-    const uint64_t tag = (1ull << 62) | ((seq_ & 0xffffffffffull) << 20) | slot;
-    const uint64_t check = mix64(mix64(0x6d6b6f70, tag), nbytes(t)) | 1;
-    try {
-      st->comm->check_usable(op_);
-      st->req = st->comm->isend(peer, tag, t.data_ptr(), nbytes(t), check);
-    } catch (const Error& e) {
-      throw_backend(e.what());
-    }
-    return Pending(std::move(st));
-  }
-  std::vector<at::Tensor> v{t};
-  const int tag = (1 << 30) | int((seq_ & 0x3ff) << 20) | int(slot);
-  return backend_work(g_.backend->send(v, peer, tag), what.c_str(), peer, {t});
-}
+Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) { return p2p(t, peer, slot, false); }
 
-Pending Pipeline::recv(const at::Tensor& t, int peer, uint32_t slot) {
-  TORCH_CHECK(t.is_contiguous(), "mk ", op_, ": rank ", g_.rank, ": recv buffer must be contiguous");
+Pending Pipeline::recv(const at::Tensor& t, int peer, uint32_t slot) { return p2p(t, peer, slot, true); }
+
+Pending Pipeline::p2p(const at::Tensor& t, int peer, uint32_t slot, bool is_recv) {
+  const char* dir = is_recv ? "recv" : "send";
+  TORCH_CHECK(t.is_contiguous(), "mk ", op_, ": rank ", g_.rank, ": ", dir, " buffer must be contiguous");
   TORCH_CHECK(slot < (1u << 20), "mk ", op_, ": slot ", slot, " out of range");
-  const std::string what = cat("mk ", op_, ": recv from peer ", peer, " (message ", slot, ")");
+  const std::string what = cat("mk ", op_, ": ", dir, is_recv ? " from" : " to", " peer ", peer, " (message ", slot, ")");
   if (g_.is_mk()) {
     auto st = std::make_shared<Pending::State>();
     st->kind = Pending::State::Kind::request;
@@ -395,14 +371,15 @@ Pending Pipeline::recv(const at::Tensor& t, int peer, uint32_t slot) {
     st->rank = g_.rank;
     st->timeout = g_.timeout;
     st->comm = &g_.comm();
-    st->is_recv = true;
+    st->is_recv = is_recv;
     st->generation = cancel_generation().load();
     st->keep = {t};
     const uint64_t tag = (1ull << 62) | ((seq_ & 0xffffffffffull) << 20) | slot;
     const uint64_t check = mix64(mix64(0x6d6b6f70, tag), nbytes(t)) | 1;
     try {
       st->comm->check_usable(op_);
-      st->req = st->comm->irecv(peer, tag, t.data_ptr(), nbytes(t), check);
+      st->req = is_recv ? st->comm->irecv(peer, tag, t.data_ptr(), nbytes(t), check)
+                        : st->comm->isend(peer, tag, t.data_ptr(), nbytes(t), check);
     } catch (const Error& e) {
       throw_backend(e.what());
     }
@@ -410,7 +387,8 @@ Pending Pipeline::recv(const at::Tensor& t, int peer, uint32_t slot) {
   }
   std::vector<at::Tensor> v{t};
   const int tag = (1 << 30) | int((seq_ & 0x3ff) << 20) | int(slot);
-  return backend_work(g_.backend->recv(v, peer, tag), what.c_str(), peer, {t});
+  auto work = is_recv ? g_.backend->recv(v, peer, tag) : g_.backend->send(v, peer, tag);
+  return backend_work(std::move(work), what.c_str(), peer, {t});
 }
 
 Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* what, int peer,

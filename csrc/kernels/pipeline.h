@@ -178,6 +178,8 @@ class Pipeline {
   }
 
  private:
+  Pending p2p(const at::Tensor& t, int peer, uint32_t slot, bool is_recv);
+
   struct InlineScope {
     explicit InlineScope(Pipeline& p) : p_(p) { p_.inline_ = true; }
     ~InlineScope() { p_.inline_ = false; }

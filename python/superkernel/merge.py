@@ -209,13 +209,17 @@ class StreamMerger:
         """Queue ``item`` (a :class:`DisplayToken`) as one whole line of ``rank``, after whatever the rank
         printed before it (an unfinished line is ended first, as a terminal would show it)."""
         q = self._q.setdefault(rank, _RankQueue())
+        self._end_line(rank, q, now)
+        self._append(rank, q, item, now)
+
+    def _end_line(self, rank: int, q: _RankQueue, now: float) -> None:
+        """The rank's unfinished line ends: a progress line as its final state, other text as a line."""
         if q.progress is not None:
             self._progress_updates.append(ProgressUpdate(rank, q.splitter.pending(), done=True))
             q.progress = None
             q.splitter.flush()
         for line in q.splitter.flush():
             self._append(rank, q, line, now)
-        self._append(rank, q, item, now)
 
     def _append(self, rank: int, q: _RankQueue, line: str, now: float) -> None:
         if self.max_lines and q.emitted + len(q.lines) >= self.max_lines:
@@ -230,12 +234,7 @@ class StreamMerger:
 
     def finish(self, rank: int, now: float = 0.0) -> None:
         q = self._q.setdefault(rank, _RankQueue())
-        if q.progress is not None:
-            self._progress_updates.append(ProgressUpdate(rank, q.splitter.pending(), done=True))
-            q.progress = None
-            q.splitter.flush()
-        for line in q.splitter.flush():
-            self._append(rank, q, line, now)
+        self._end_line(rank, q, now)
         q.finished = True
 
     # output ------------------------------------------------------------------------------------------

@@ -625,6 +625,20 @@ void TcpProvider::withdraw(uint64_t region) {
   std::lock_guard<std::mutex> lock(regions_mu_);
   regions_.erase(region);  // an operation still being served holds its own reference
 }
+// RMA frames all go on a peer's first socket, so one origin's operations reach the target in issue order.
+void TcpProvider::queue_rma_frame(Peer& p, Frame f) {
+  std::vector<std::shared_ptr<SendState>> done;
+  {
+    Conn& c = *p.conns[0];
+    std::lock_guard<std::mutex> lock(c.mu);
+    const bool idle = c.out.empty();
+    c.out.push_back(std::move(f));
+    if (idle) flush_locked(c, done);
+    if (!c.out.empty() && !c.want_write) arm_write(c, true);
+  }
+  for (auto& d : done) d->req->complete(d->len, rank_);
+}
+
 
 RequestPtr TcpProvider::rma_submit(int peer, uint16_t type, uint64_t region, uint64_t offset, uint64_t check,
                                    uint64_t aux, const void* payload, size_t len, char* dst, size_t dst_len,
@@ -658,16 +672,7 @@ RequestPtr TcpProvider::rma_submit(int peer, uint16_t type, uint64_t region, uin
   f.hdr = WireHeader{kMagic, kVersion, type, region, check, id, offset, aux, len};
   f.data = static_cast<const char*>(payload);
   f.keep = std::move(keep);
-  std::vector<std::shared_ptr<SendState>> done;
-  {
-    Conn& c = *p.conns[0];
-    std::lock_guard<std::mutex> lock(c.mu);
-    const bool idle = c.out.empty();
-    c.out.push_back(std::move(f));
-    if (idle) flush_locked(c, done);
-    if (!c.out.empty() && !c.want_write) arm_write(c, true);
-  }
-  for (auto& d : done) d->req->complete(d->len, rank_);
+  queue_rma_frame(p, std::move(f));
   if (!p.alive.load()) {  // the peer failed while we queued: nobody will answer
     std::string why;
     {
@@ -811,16 +816,7 @@ void TcpProvider::rma_reply(int peer, uint64_t op, uint64_t status, uint64_t val
   f.hdr = WireHeader{kMagic, kVersion, kRmaReply, status, 0, op, value, 0, len};
   f.data = data;
   f.keep = std::move(keep);
-  std::vector<std::shared_ptr<SendState>> done;
-  {
-    Conn& c = *p.conns[0];
-    std::lock_guard<std::mutex> lock(c.mu);
-    const bool idle = c.out.empty();
-    c.out.push_back(std::move(f));
-    if (idle) flush_locked(c, done);
-    if (!c.out.empty() && !c.want_write) arm_write(c, true);
-  }
-  for (auto& d : done) d->req->complete(d->len, rank_);
+  queue_rma_frame(p, std::move(f));
 }
 
 void TcpProvider::fail_pending(int peer, const std::string& why) {

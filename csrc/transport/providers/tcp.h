@@ -97,6 +97,7 @@ class TcpProvider final : public Provider {
   struct SendState;
   // Write as much of c's queue as the socket takes (c.mu held); finished sends are appended to done.
   void flush_locked(Conn& c, std::vector<std::shared_ptr<SendState>>& done);
+  void queue_rma_frame(Peer& p, Frame f);
   void arm_write(Conn& c, bool on);
   void match_ready(Peer& p);
   void peer_failed(int peer, const std::string& why);
