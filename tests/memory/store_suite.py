@@ -345,6 +345,95 @@ def case_uneven(store: TensorStore) -> None:
     dist.barrier()
 
 
+def case_in_place(store: TensorStore) -> None:
+    """Overwrites with the same dtype and shape are written in place (the record stays); what another rank
+    cached is never served stale after a put, put in place or delete completed; every rank overwrites shared
+    keys (in place, and with new shapes) and deletes them while the others read: every get is one whole
+    value, never a mix, and the space accounting stays exact."""
+    c = "in_place"
+    n = 64 * KiB   # float32: 256 KiB per value
+    other = 1 % world
+    if rank == 0:
+        store.put("ip/a", torch.full((n,), 1.0), rank=other)
+        rec = store._read("ip/a")
+        store.put("ip/a", torch.full((n,), 2.0))
+        check(c, store._read("ip/a") == rec, "an overwrite with the same dtype and shape published a new record")
+        check(c, bool((store.get("ip/a") == 2.0).all()), "get after a put in place is not the new value")
+        store.put("ip/a", torch.full((n + 1,), 3.0))
+        check(c, store._read("ip/a") != rec, "an overwrite with another shape kept the old record")
+        store.put("ip/a", torch.full((n,), 4.0))
+        store.put("ip/b", torch.full((n,), 0.0))
+    dist.barrier()
+    v = store.get("ip/a")
+    check(c, v.shape == (n,) and bool((v == 4.0).all()), f"ip/a on rank {rank}: {v.shape}, {v[:2].tolist()}")
+    # every rank caches ip/b; then the last rank changes it in each way, the others must see each change
+    got = store.get("ip/b")
+    check(c, bool((got == 0.0).all()), "ip/b differs")
+    steps = [("in place", lambda: store.put("ip/b", torch.full((n,), 1.0)), 1.0, (n,)),
+             ("new shape", lambda: store.put("ip/b", torch.full((n + 7,), 2.0)), 2.0, (n + 7,)),
+             ("pinned elsewhere", lambda: store.put("ip/b", torch.full((n + 7,), 3.0), rank=0), 3.0, (n + 7,)),
+             ("in place again", lambda: store.put("ip/b", torch.full((n + 7,), 4.0)), 4.0, (n + 7,))]
+    for what, step, value, shape in steps:
+        dist.barrier()
+        if rank == world - 1:
+            step()
+        dist.barrier()
+        got = store.get("ip/b")
+        check(c, tuple(got.shape) == shape and bool((got == value).all()),
+              f"after another rank's put ({what}) get returned shape {tuple(got.shape)}, {got[:2].tolist()}")
+    dist.barrier()
+    if rank == world - 1:
+        store.delete("ip/b")
+    dist.barrier()
+    try:
+        store.get("ip/b")
+        check(c, False, "a key deleted by another rank was still served from the cache")
+    except KeyError:
+        pass
+    # the storm
+    keys = [f"ip/s/{j}" for j in range(3)]
+    if rank == 0:
+        for k in keys:
+            store.put(k, torch.full((n,), -1.0))
+    dist.barrier()
+    reads = 0
+    for i in range(120):
+        value = float(rank * 1000 + i)
+        shape = (n + rank + 1,) if i % 20 == 19 else (n,)
+        if i % 40 == 39 and world > 1:
+            try:
+                store.delete(keys[(i + rank) % 3])
+            except KeyError:
+                pass
+        else:
+            store.put(keys[(i + rank) % 3], torch.full(shape, value))
+        try:
+            got = store.get(keys[(i + rank + 1) % 3])
+        except KeyError:
+            continue
+        reads += 1
+        first = float(got[0])
+        writer = int(first) // 1000 if first >= 0 else -1
+        ok_shape = got.numel() == n or (writer >= 0 and got.numel() == n + writer + 1)
+        check(c, bool((got == first).all()) and ok_shape,
+              f"torn or wrong read of {keys[(i + rank + 1) % 3]}: {got.numel()} elements, first {first}, "
+              f"{int((got != first).sum())} differ")
+    check(c, reads > 0, "no read succeeded during the storm")
+    dist.barrier()
+    live, used = 0, 0
+    for k in keys:
+        if store.exists(k):
+            got = store.get(k)
+            check(c, bool((got == got[0]).all()), f"{k} is not one whole value after the storm")
+            live += 1
+            used += reserved(got.numel() * 4)
+    used += reserved(n * 4)     # ip/a
+    st = store.stats()
+    check(c, sum(u.used for u in st) == used, f"used {sum(u.used for u in st)} B, live keys reserve {used} B")
+    check(c, sum(u.objects for u in st) == live + 1, f"objects {sum(u.objects for u in st)} != {live + 1}")
+    dist.barrier()
+
+
 def run(name: str, fn, *args) -> None:  # noqa: ANN001
     t0 = time.perf_counter()
     try:
@@ -376,6 +465,7 @@ def main() -> None:
         ("errors", case_errors, 1 * MiB, ()),
         ("subgroup", case_subgroup, 1 * MiB, ()),
         ("uneven", case_uneven, (rank + 1) * 256 * KiB, ()),
+        ("in_place", case_in_place, 4 * MiB, ()),
     ]
     for name, fn, cap, extra in cases:
         store = TensorStore(capacity_per_rank=cap, timeout=60)

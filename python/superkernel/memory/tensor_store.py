@@ -36,14 +36,30 @@ Design (everything below is what the code does; the tests check it):
   ``key + "\\n"`` to an append-only log key with the Store's atomic ``append``. ``keys(prefix)`` reads the
   log, de-duplicates, and keeps the names whose record (``multi_get``) is not a tombstone. The record is
   published before the log entry, so every name in the log has a record.
-* Consistency of get. ``get`` reads the record, copies the bytes, then reads the record again: if it
-  changed (a concurrent overwrite or delete could have freed and reused the extent), the copy is retried.
-  A get therefore returns either the old or the new tensor, never a mix. Fast path (one Store round trip)
-  when this process already knows the key's record: read the owner's free counter (bumped under the lock
-  by every free on that rank), read the record, copy, read the counter again; an extent is freed only
-  after its record was replaced, so an unchanged record and counter prove the copy is whole. Otherwise
-  (or on any change) the slow path above. ``put``/``delete`` likewise first try ``compare_set`` against
-  the record this process last saw.
+* Versions. Every allocated extent has a version word in its rank's allocator window (one int64 per
+  ``ALIGN`` block, indexed by the extent's first block): even when the extent is at rest, odd while a put
+  writes into it in place. Freeing an extent waits until its version is even and advances it by 2 (under
+  the allocator lock), so versions only grow and an extent is never freed under a writer.
+* Overwrite in place. When this process overwrites a key whose record it knows with a tensor of the same
+  dtype and shape (and no other ``rank=``), the record stays as it is: the put takes the extent's version
+  from v to v+1 with ``compare_swap`` (v is the version this process last saw: any free or other write
+  since then makes the swap fail), writes the bytes, and sets v+2. No Store round trip and no allocator
+  lock. If the swap fails, the ordinary put below runs (new extent, new record, old extent freed).
+* Consistency of get. ``get`` reads the record, the extent's version, copies the bytes, reads the version
+  and the record again: if the record changed (a concurrent overwrite or delete could have freed and
+  reused the extent) or the version moved or was odd (a write in place), the copy is retried. A get
+  therefore returns either the old or the new tensor, never a mix. Fast path, no Store round trip, when
+  this process knows the key's record: read the owner's free counter (bumped under the lock by every free
+  on that rank) and the version, copy, read both again. The counter must still be the value it had when
+  the record was last seen current: every put or delete that replaces a record frees that record's
+  extent before it returns, so an unchanged counter proves that no completed operation replaced the key.
+  Otherwise (or on any change) the slow path above. ``put``/``delete`` likewise first try ``compare_set``
+  against the record this process last saw.
+* Ordering. Operations on one key are sequentially consistent: every process sees one order of the puts
+  and deletes of a key, and each process sees its own operations in program order. A put in place that
+  runs while another process's replacing put is between publishing its record and returning is ordered
+  before that put (its bytes are overwritten by it), even though it started after the record was
+  published; operations that do not overlap in time keep their real-time order.
 
 Device tensors: the pool is host memory. ``put`` of a CUDA tensor copies it to the host first; ``get``
 returns a CPU tensor, or fills a device (or non-contiguous) ``out`` through a host copy.
@@ -68,7 +84,7 @@ ALIGN = 4096
 DEFAULT_CAPACITY = 256 << 20
 # allocator window layout (int64 elements)
 LOCK, USED, OBJECTS, NFREE, CAPACITY, FREES = 0, 1, 2, 3, 4, 5
-HEADER = 8
+HEADER = 8        # then 2 * max_extents extent words, then one version word per ALIGN block
 _GUESS = 32        # extents read together with the header (more cost a second get)
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
@@ -102,6 +118,16 @@ class Record:
         rank, offset, nbytes, dtype, shape, token = text.split(" ")
         dims = () if shape == "-" else tuple(int(s) for s in shape.split(","))
         return Record(int(rank), int(offset), int(nbytes), getattr(torch, dtype), dims, token)
+
+
+@dataclass
+class _Known:
+    """What this process last saw of a key: its record, the owner's free counter at a moment when that
+    record was current (None: unknown), and the extent's version as last seen at rest (None: unknown)."""
+    text: str
+    rec: Record
+    frees: int | None
+    version: int | None
 
 
 @dataclass(frozen=True)
@@ -164,10 +190,11 @@ class TensorStore:
         dist.all_gather_object(caps, capacity, group=group)
         self.capacities = [int(c) for c in caps]
         max_extents = max(self.capacities) // (2 * ALIGN) + 1
+        self._versions = HEADER + 2 * max_extents       # first version word
+        self._meta_len = self._versions + max(self.capacities) // ALIGN
         self._data = Window.allocate((capacity,), torch.uint8, group=group)
-        self._meta = Window.allocate((HEADER + 2 * max_extents,), torch.int64, group=group)
+        self._meta = Window.allocate((self._meta_len,), torch.int64, group=group)
         self._max_extents = max_extents
-        self._meta_len = HEADER + 2 * max_extents
         mine = self._meta.tensor
         mine[:HEADER] = 0
         mine[CAPACITY] = capacity
@@ -186,7 +213,8 @@ class TensorStore:
         if self.rank == 0:
             self._store.set("log", "")
         self._tokens = itertools.count()
-        self._known: dict[str, str] = {}   # key -> the record this process last wrote or read (a hint only)
+        # key -> what this process last saw of it (hints; every use is checked): see _Known
+        self._known: dict[str, _Known] = {}
         self._scratch = torch.empty(1, dtype=torch.int64)
         self._instance = uuid.uuid4().hex[:8]
         self.freed = False
@@ -206,12 +234,16 @@ class TensorStore:
             t = t.cpu()      # the pool is host memory; device tensors travel through a host copy
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
+        if rank is not None and not 0 <= rank < self.world_size:
+            raise ValueError(f"TensorStore.put({key!r}): rank {rank} is not in the group (size {self.world_size})")
+        known = self._known.get(key)
+        if nbytes and known is not None and self._put_in_place(known, t, rank):
+            return
         token = f"{self.rank}.{self._instance}.{next(self._tokens)}"
+        frees = version = None
         if nbytes == 0:
             rec = Record(-1, 0, 0, t.dtype, tuple(t.shape), token)
         else:
-            if rank is not None and not 0 <= rank < self.world_size:
-                raise ValueError(f"TensorStore.put({key!r}): rank {rank} is not in the group (size {self.world_size})")
             where, offset = self._allocate(_round_up(nbytes), rank)
             try:
                 self._data.put(where, offset, t.reshape(-1).view(torch.uint8))  # complete at the target
@@ -219,15 +251,22 @@ class TensorStore:
                 self._free(where, offset, _round_up(nbytes), objects=1)
                 raise
             rec = Record(where, offset, nbytes, t.dtype, tuple(t.shape), token)
+            # nobody else knows the new extent before the record is published: its version is at rest, and
+            # the counter read now (before the record becomes current) is valid for get's fast path
+            version = self._version(where, offset)
+            frees = self._frees(where)
         text = rec.encode()
         old = self._publish(key, text)
-        self._remember(key, text)
         if old:
             o = Record.decode(old)
             if o.rank >= 0:
-                self._free(o.rank, o.offset, o.reserved, objects=1)
+                before = self._free(o.rank, o.offset, o.reserved, objects=1)
+                if frees is not None and o.rank == rec.rank:
+                    # our own free bumped the counter: still valid if it was the only free since we read it
+                    frees = frees + 1 if before == frees else None
         else:
             self._store.append("log", key + "\n")
+        self._remember(key, text, rec, frees, version)
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the tensor stored under ``key`` (a new CPU tensor, or ``out`` when given: same dtype
@@ -240,33 +279,42 @@ class TensorStore:
             self._check_out(key, got.dtype, tuple(got.shape), out)
             return out.copy_(got)
         known = self._known.get(key)
-        if known:
-            # fast path, one Store round trip: the owner's free counter before the record is read and after
-            # the copy; unchanged -> no extent of that rank was freed (hence reused) while we copied
-            rec = Record.decode(known)
-            before = self._frees(rec.rank) if rec.rank >= 0 else 0
-            text = self._read(key)
-            if text == known:
-                dst = self._output(key, rec, out)
-                if rec.nbytes:
+        if known is not None and known.frees is not None and known.rec.nbytes:
+            # fast path, no Store round trip (see the module docstring): the owner's free counter unchanged
+            # since the record was current, and the extent's version at rest and unchanged around the copy
+            rec = known.rec
+            dst = self._output(key, rec, out)
+            if self._frees(rec.rank) == known.frees:
+                v = self._version(rec.rank, rec.offset)
+                if v % 2 == 0:
                     self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
-                if rec.rank < 0 or self._frees(rec.rank) == before:
-                    return dst
-        else:
-            text = self._read(key)
-        for _ in range(100):
+                    if self._version(rec.rank, rec.offset) == v and self._frees(rec.rank) == known.frees:
+                        known.version = v
+                        return dst
+        text = self._read(key)
+        for _ in range(1000):
             if not text:
+                self._known.pop(key, None)
                 raise KeyError(key)
             rec = Record.decode(text)
             dst = self._output(key, rec, out)
+            frees = version = None
+            whole = True
             if rec.nbytes:
-                self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
+                frees = self._frees(rec.rank)
+                version = self._version(rec.rank, rec.offset)
+                whole = version % 2 == 0
+                if whole:
+                    self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
+                    whole = self._version(rec.rank, rec.offset) == version
             again = self._read(key)
-            if again == text:
-                self._remember(key, text)
+            if again == text and whole:
+                self._remember(key, text, rec, frees, version)
                 return dst
+            if again == text:
+                time.sleep(20e-6)   # a put in place is writing: let it finish
             text = again     # overwritten or deleted while we copied: the extent may have been reused
-        raise RuntimeError(f"TensorStore.get({key!r}): the key kept changing while it was read (100 attempts)")
+        raise RuntimeError(f"TensorStore.get({key!r}): the key kept changing while it was read (1000 attempts)")
 
     def delete(self, key: str) -> None:
         """Remove ``key`` and free its space. KeyError when it does not exist."""
@@ -360,15 +408,37 @@ class TensorStore:
         got = self._store.compare_set("k/" + key, _MISSING, _MISSING).decode()
         return "" if got == _MISSING else got
 
-    def _remember(self, key: str, text: str) -> None:
+    def _remember(self, key: str, text: str, rec: Record, frees: int | None, version: int | None) -> None:
         if len(self._known) > 100_000:
             self._known.clear()
-        self._known[key] = text
+        self._known[key] = _Known(text, rec, frees, version)
+
+    def _put_in_place(self, known: _Known, t: torch.Tensor, rank: int | None) -> bool:
+        """Overwrite the extent of ``known``'s record with ``t`` (same dtype and shape) under its version
+        word; False (nothing written) when that is not possible and an ordinary put must run."""
+        rec, v = known.rec, known.version
+        if (v is None or rec.rank < 0 or t.dtype != rec.dtype or tuple(t.shape) != rec.shape
+                or (rank is not None and rank != rec.rank)):
+            return False
+        word = self._versions + rec.offset // ALIGN
+        if int(self._meta.compare_swap(rec.rank, word, v, v + 1)) != v:
+            known.version = None     # freed, or written by another process since: use the ordinary put
+            return False
+        try:
+            self._data.put(rec.rank, rec.offset, t.reshape(-1).view(torch.uint8))   # complete at the target
+        finally:
+            got = int(self._meta.compare_swap(rec.rank, word, v + 1, v + 2))
+        if got != v + 1:
+            raise RuntimeError(f"TensorStore: rank {self.rank} wrote rank {rec.rank}'s extent at byte {rec.offset} in "
+                               f"place but its version changed from {v + 1} to {got} meanwhile (a bug)")
+        known.version = v + 2
+        return True
 
     def _publish(self, key: str, value: str) -> str:
         """Replace the record of ``key`` with ``value`` atomically; returns the record it replaced ("" if none).
         The first guess of the current record is the one this process last saw (one round trip when right)."""
-        expected = self._known.get(key, "")
+        known = self._known.get(key)
+        expected = known.text if known is not None else ""
         for _ in range(10000):
             got = self._store.compare_set("k/" + key, expected, value).decode()
             if got == value:
@@ -449,6 +519,25 @@ class TensorStore:
         vals = [used, objects, len(ext) // 2, hdr[CAPACITY], frees] + hdr[FREES + 1:HEADER] + ext
         self._meta.put(rank, USED, torch.tensor(vals, dtype=torch.int64))
 
+    def _version(self, rank: int, offset: int) -> int:
+        """The version word of the extent starting at byte ``offset`` of ``rank`` (odd: a put in place)."""
+        self._meta.get(rank, self._versions + offset // ALIGN, self._scratch)
+        return int(self._scratch[0])
+
+    def _retire(self, rank: int, offset: int) -> None:
+        """(Under ``rank``'s allocator lock) advance the version of the extent at ``offset`` by 2, waiting
+        for a put in place that is writing into it to finish: a put in place can no longer start on it."""
+        word = self._versions + offset // ALIGN
+        deadline = time.monotonic() + self.timeout
+        while True:
+            v = self._version(rank, offset)
+            if v % 2 == 0 and int(self._meta.compare_swap(rank, word, v, v + 2)) == v:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TensorStore: rank {self.rank} frees rank {rank}'s extent at byte {offset}, but a "
+                                   f"put writing into it in place did not finish within {self.timeout:g} s")
+            time.sleep(20e-6)
+
     def _frees(self, rank: int) -> int:
         """How many frees ``rank``'s allocator has done (a seqlock-style generation for get's fast path)."""
         self._meta.get(rank, FREES, self._scratch)
@@ -499,10 +588,12 @@ class TensorStore:
         raise TensorStoreFull(f"TensorStore full: {pool}, {human(largest)} free at most on one rank, "
                               f"cannot place {human(need)}")
 
-    def _free(self, rank: int, offset: int, length: int, objects: int) -> None:
-        """Return [offset, offset+length) to ``rank``'s free extents, coalescing with its neighbours."""
+    def _free(self, rank: int, offset: int, length: int, objects: int) -> int:
+        """Return [offset, offset+length) to ``rank``'s free extents, coalescing with its neighbours.
+        Returns ``rank``'s free counter as it was before this free."""
         self._lock(rank)
         try:
+            self._retire(rank, offset)
             hdr, ext = self._state(rank)
             starts = ext[0::2]
             i = 0
@@ -522,6 +613,7 @@ class TensorStore:
             if len(ext) // 2 > self._max_extents:
                 raise RuntimeError(f"TensorStore: rank {rank}'s free-extent table overflowed (a bug)")
             self._write_state(rank, hdr, hdr[USED] - length, hdr[OBJECTS] - objects, ext, freed=True)
+            return hdr[FREES]
         finally:
             self._unlock(rank)
 
