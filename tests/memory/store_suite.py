@@ -123,8 +123,7 @@ def case_concurrent(store: TensorStore) -> None:
     check(c, sum(u.objects for u in st) == len(want), f"objects {sum(u.objects for u in st)} != {len(want)}")
 
 
-def case_keys_delete_reuse(store: TensorStore) -> None:
-    c = "keys_delete_reuse"
+def case_keys_delete_reuse(store: TensorStore, c: str = "keys_delete_reuse") -> None:
     if rank == 0:
         for name in ("a/1", "a/2", "a/sub/3", "ab/4", "b/5"):
             store.put(name, torch.arange(10))
@@ -146,6 +145,29 @@ def case_keys_delete_reuse(store: TensorStore) -> None:
     check(c, store.keys("a/") == ["a/1", "a/2", "a/sub/3"], f"after delete+put keys('a/') = {store.keys('a/')}")
     check(c, same(store.get("a/2"), torch.arange(3)), "a/2 after re-put differs")
     dist.barrier()
+
+
+class _StoreWithoutListing:
+    """A c10d Store seen through an API without ``list_keys`` (custom Stores may lack it)."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner = inner
+
+    def list_keys(self) -> list[str]:
+        raise NotImplementedError("list_keys")
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def case_keys_log(store: TensorStore) -> None:
+    """The same listing, deletes and re-puts on a Store that cannot list keys (the append-only log)."""
+    store._store = _StoreWithoutListing(store._store)
+    store._listable = False
+    if rank == 0:
+        store._store.set("log", "")
+    dist.barrier()
+    case_keys_delete_reuse(store, "keys_log")
 
 
 def case_reuse(store: TensorStore) -> None:
@@ -458,6 +480,7 @@ def main() -> None:
         ("cross_rank", case_cross_rank, 4 * MiB, ()),
         ("concurrent", case_concurrent, 4 * MiB, ()),
         ("keys_delete_reuse", case_keys_delete_reuse, 1 * MiB, ()),
+        ("keys_log", case_keys_log, 1 * MiB, ()),
         ("reuse", case_reuse, 1 * MiB, ()),
         ("full", case_full, 1 * MiB, ()),
         ("large", case_large, large + 8 * MiB, (large,)),

@@ -31,11 +31,14 @@ Design (everything below is what the code does; the tests check it):
   ``compare_set`` only, and whoever replaces a record frees the extent it named: of two concurrent puts of
   one key, the later publisher replaces the earlier one's record and frees its extent, so exactly one
   extent per key stays allocated. Every record carries a unique token, so a record never reappears (no ABA).
-  A deleted key's record becomes the empty string (a tombstone) rather than disappearing.
-* Index. The c10d Store cannot list keys, so each put of a new key (or one previously deleted) appends
-  ``key + "\\n"`` to an append-only log key with the Store's atomic ``append``. ``keys(prefix)`` reads the
-  log, de-duplicates, and keeps the names whose record (``multi_get``) is not a tombstone. The record is
-  published before the log entry, so every name in the log has a record.
+  A deleted key's record becomes a tombstone ``"deleted <token>"`` rather than disappearing; it is unique
+  too, so a ``compare_set`` that returns the value it was asked to store has stored it (of two concurrent
+  deletes of one key, exactly one frees the extent; the other raises KeyError).
+* Index. ``keys(prefix)`` lists the record keys under this store's prefix (``Store.list_keys``: TCPStore,
+  FileStore and HashStore have it) and keeps those whose record (``multi_get``) is not a tombstone, so a put
+  of a new key costs one Store round trip. A Store without ``list_keys`` gets an append-only log instead:
+  each put of a new key (or one previously deleted) appends ``key + "\\n"`` to it with the Store's atomic
+  ``append`` after publishing the record (so every name in the log has a record), a second round trip.
 * Versions. Every allocated extent has a version word in its rank's allocator window (one int64 per
   ``ALIGN`` block, indexed by the extent's first block): even when the extent is at rest, odd while a put
   writes into it in place. Freeing an extent waits until its version is even and advances it by 2 (under
@@ -87,6 +90,7 @@ LOCK, USED, OBJECTS, NFREE, CAPACITY, FREES = 0, 1, 2, 3, 4, 5
 HEADER = 8        # then 2 * max_extents extent words, then one version word per ALIGN block
 _GUESS = 32        # extents read together with the header (more cost a second get)
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
+_TOMBSTONE = "deleted "                       # + a unique token: the record of a deleted key
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
 _SEQ: dict[str, itertools.count] = {}
 _SEQ_LOCK = threading.Lock()
@@ -210,8 +214,13 @@ class TensorStore:
         self.name = name or f"{gname}/{seq}"
         self._store = dist.PrefixStore(f"superkernel/tensorstore/{self.name}/",
                                        dist.distributed_c10d._get_default_store())
-        if self.rank == 0:
-            self._store.set("log", "")
+        try:
+            self._store.list_keys()
+            self._listable = True
+        except (RuntimeError, NotImplementedError):
+            self._listable = False
+            if self.rank == 0:
+                self._store.set("log", "")
         self._tokens = itertools.count()
         # key -> what this process last saw of it (hints; every use is checked): see _Known
         self._known: dict[str, _Known] = {}
@@ -239,7 +248,7 @@ class TensorStore:
         known = self._known.get(key)
         if nbytes and known is not None and self._put_in_place(known, t, rank):
             return
-        token = f"{self.rank}.{self._instance}.{next(self._tokens)}"
+        token = self._token()
         frees = version = None
         if nbytes == 0:
             rec = Record(-1, 0, 0, t.dtype, tuple(t.shape), token)
@@ -264,7 +273,7 @@ class TensorStore:
                 if frees is not None and o.rank == rec.rank:
                     # our own free bumped the counter: still valid if it was the only free since we read it
                     frees = frees + 1 if before == frees else None
-        else:
+        elif not self._listable:
             self._store.append("log", key + "\n")
         self._remember(key, text, rec, frees, version)
 
@@ -320,7 +329,7 @@ class TensorStore:
         """Remove ``key`` and free its space. KeyError when it does not exist."""
         self._check_open()
         _check_key(key)
-        old = self._publish(key, "")
+        old = self._publish(key, f"{_TOMBSTONE}{self._token()}")
         self._known.pop(key, None)
         if not old:
             raise KeyError(key)
@@ -346,12 +355,15 @@ class TensorStore:
     def keys(self, prefix: str = "") -> list[str]:
         """Every stored key starting with ``prefix``, sorted."""
         self._check_open()
-        log = self._store.get("log").decode()
-        names = sorted({k for k in log.split("\n") if k and k.startswith(prefix)})
+        if self._listable:
+            names = sorted(k[2:] for k in self._store.list_keys() if k.startswith("k/" + prefix))
+        else:
+            log = self._store.get("log").decode()
+            names = sorted({k for k in log.split("\n") if k and k.startswith(prefix)})
         if not names:
             return []
         records = self._store.multi_get(["k/" + k for k in names])
-        return [k for k, r in zip(names, records) if r]
+        return [k for k, r in zip(names, records) if _live(r.decode())]
 
     def stats(self) -> list[RankUsage]:
         """Per rank: capacity, used bytes, objects, free extents and the largest one (a snapshot, no locks)."""
@@ -405,8 +417,7 @@ class TensorStore:
     # ----------------------------------------------------------------------------------------- records
     def _read(self, key: str) -> str:
         """The record of ``key``; "" when it does not exist (never stored, or deleted)."""
-        got = self._store.compare_set("k/" + key, _MISSING, _MISSING).decode()
-        return "" if got == _MISSING else got
+        return _live(self._store.compare_set("k/" + key, _MISSING, _MISSING).decode())
 
     def _remember(self, key: str, text: str, rec: Record, frees: int | None, version: int | None) -> None:
         if len(self._known) > 100_000:
@@ -434,15 +445,19 @@ class TensorStore:
         known.version = v + 2
         return True
 
+    def _token(self) -> str:
+        return f"{self.rank}.{self._instance}.{next(self._tokens)}"
+
     def _publish(self, key: str, value: str) -> str:
-        """Replace the record of ``key`` with ``value`` atomically; returns the record it replaced ("" if none).
+        """Replace the record of ``key`` with ``value`` (unique) atomically; returns the live record it
+        replaced ("" if the key was missing or deleted).
         The first guess of the current record is the one this process last saw (one round trip when right)."""
         known = self._known.get(key)
         expected = known.text if known is not None else ""
         for _ in range(10000):
             got = self._store.compare_set("k/" + key, expected, value).decode()
             if got == value:
-                return expected
+                return _live(expected)
             if got == _MISSING:   # FileStore/HashStore report a missing key as the expected value
                 expected = ""
                 continue
@@ -616,6 +631,11 @@ class TensorStore:
             return hdr[FREES]
         finally:
             self._unlock(rank)
+
+
+def _live(text: str) -> str:
+    """``text`` when it is a record, "" when it says the key is missing or deleted."""
+    return "" if not text or text == _MISSING or text.startswith(_TOMBSTONE) else text
 
 
 def _check_key(key: str) -> None:
