@@ -63,8 +63,11 @@ def _max_over_ranks(dist: Any, torch: Any, value: float) -> float:
 KINDS = ("fused", "unfused", "compute", "comm")
 
 
+TUNING_CALLS = 8   # 4 candidate chunk counts, each timed twice
+
+
 def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
-            torch: Any) -> tuple[dict[str, float], int]:
+            torch: Any, chunks: int = 0) -> tuple[dict[str, float], int]:
     """Median per-call seconds of each variant and the iteration count (the same on every rank).
 
     The variants are interleaved (one call of each per round), so drifting load from other processes on this
@@ -72,6 +75,11 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     the median over rounds, not the mean, since other processes add a long tail to some calls."""
     for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
         fn()
+    if "fused" in fns and chunks == 0:
+        # the automatic chunk count times up to TUNING_CALLS candidates' calls first (csrc/kernels/pipeline.cc,
+        # Pipeline::chunks): measure the steady state a training loop sees, not the tuning
+        for _ in range(TUNING_CALLS):
+            fns["fused"]()
     _barrier(dist)
     t0 = time.perf_counter()
     for fn in fns.values():
@@ -180,7 +188,7 @@ def main() -> int:
                 continue
             row: dict[str, Any] = {"family": fam, "op": case.op, "shape": case.shape, "note": case.note, **case.extra}
             secs, iters = measure({k: getattr(case, k) for k in KINDS}, args.time, args.min_iters, args.max_iters,
-                                  dist, torch)
+                                  dist, torch, args.chunks)
             row.update({f"{k}_ms": v * 1e3 for k, v in secs.items()})
             row["iters"] = iters
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
