@@ -86,6 +86,10 @@ class Window:
     window memory, so the same tensor object keeps working and sees remote writes. Views of ``tensor``
     created *before* the window keep the old storage and do not see them. ``Window.allocate(shape, dtype)``
     lets the library allocate a zero-filled tensor instead.
+
+    ``put``, ``get``, ``accumulate``, ``fetch_add``, ``compare_swap``, ``flush`` and ``flush_all`` are bound
+    per window to C++ builtins with the signatures, results and errors of the methods documented here (a
+    subclass that overrides one keeps its override), so a same-host operation costs well under a microsecond.
     """
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
