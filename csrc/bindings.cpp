@@ -113,8 +113,10 @@ struct WindowFuture {
 };
 
 // Direct (same-host mapped) operations up to this many bytes run without releasing the GIL: releasing and
-// re-acquiring it costs more than copying them.
+// re-acquiring it costs more than copying them. Accumulate does an atomic read-modify-write per element,
+// far slower per byte than a copy, so it keeps the GIL only for small sizes.
 constexpr size_t kKeepGilBytes = size_t(64) << 10;
+constexpr size_t kKeepGilAccumulateBytes = size_t(4) << 10;
 
 // A CPU tensor of the window's dtype (ValueError / TypeError otherwise).
 void window_check_tensor(const PyWindow& pw, const at::Tensor& t, const char* op, const char* arg) {
@@ -147,9 +149,9 @@ void window_check_offset(int64_t offset, const char* op) {
 // Start an operation on the window: `f` performs it (on the caller's thread when `target` is mapped here
 // and the operation is small; else with the GIL released) and returns its request or null.
 template <typename F>
-mk::RequestPtr window_start(PyWindow& p, int target, size_t bytes, F&& f) {
+mk::RequestPtr window_start(PyWindow& p, int target, size_t bytes, size_t keep_gil_bytes, F&& f) {
   return window_call([&] {
-    if (bytes <= kKeepGilBytes && p.w().direct(target)) return f();
+    if (bytes <= keep_gil_bytes && p.w().direct(target)) return f();
     py::gil_scoped_release nogil;
     return f();
   });
@@ -180,14 +182,16 @@ py::object window_put(PyWindow& p, int target, int64_t offset, const at::Tensor&
   const void* ptr = src->const_data_ptr();
   const size_t n = size_t(src->numel());
   const uint64_t tag = notify ? uint64_t(*notify) : mk::kNoNotify;
-  mk::RequestPtr r = window_start(p, target, n * p.esize, [&] { return p.w().put(target, size_t(offset), ptr, n, tag); });
+  mk::RequestPtr r = window_start(p, target, n * p.esize, kKeepGilBytes,
+                                  [&] { return p.w().put(target, size_t(offset), ptr, n, tag); });
   return window_finish(p, std::move(r), nullptr, &*src, "put", target, async_op);
 }
 
 py::object window_get(PyWindow& p, int target, int64_t offset, const at::Tensor& out, bool async_op) {
   auto [ptr, n] = window_buffer(p, out, "get", "out");
   window_check_offset(offset, "get");
-  mk::RequestPtr r = window_start(p, target, n * p.esize, [&, ptr = ptr, n = n] { return p.w().get(target, size_t(offset), ptr, n); });
+  mk::RequestPtr r = window_start(p, target, n * p.esize, kKeepGilBytes,
+                                  [&, ptr = ptr, n = n] { return p.w().get(target, size_t(offset), ptr, n); });
   return window_finish(p, std::move(r), nullptr, &out, "get", target, async_op);
 }
 
@@ -199,7 +203,8 @@ py::object window_accumulate(PyWindow& p, int target, int64_t offset, const at::
   window_check_offset(offset, "accumulate");
   const void* ptr = src->const_data_ptr();
   const size_t n = size_t(src->numel());
-  mk::RequestPtr r = window_start(p, target, n * p.esize, [&] { return p.w().accumulate(target, size_t(offset), ptr, n, rop); });
+  mk::RequestPtr r = window_start(p, target, n * p.esize, kKeepGilAccumulateBytes,
+                                  [&] { return p.w().accumulate(target, size_t(offset), ptr, n, rop); });
   return window_finish(p, std::move(r), nullptr, &*src, "accumulate", target, async_op);
 }
 
@@ -210,7 +215,8 @@ py::object window_atomic(PyWindow& p, int target, int64_t offset, bool cas, int6
                                  ": needs an int64 window, this one holds ", c10::toString(p.dtype)));
   auto result = std::make_shared<int64_t>(0);
   const mk::AmoOp op = cas ? mk::AmoOp::compare_swap : mk::AmoOp::fetch_add;
-  mk::RequestPtr r = window_start(p, target, 8, [&] { return p.w().atomic(target, size_t(offset), op, a, b, result); });
+  mk::RequestPtr r = window_start(p, target, 8, kKeepGilBytes,
+                                  [&] { return p.w().atomic(target, size_t(offset), op, a, b, result); });
   return window_finish(p, std::move(r), std::move(result), nullptr, cas ? "compare_swap" : "fetch_add", target, async_op);
 }
 
