@@ -11,7 +11,10 @@ target): rank 0 writes into / reads from rank 1's window; the other ranks only w
 followed by a flush, averaged; bandwidth = bursts of ``--burst`` operations followed by one flush, bytes per
 second. mk: ``superkernel.memory.Window`` (uint8, over the default mk group). MPI: ``MPI.Win.Allocate`` of
 the same size on the same ranks, ``Lock_all`` once (passive target), ``Put``/``Get`` then ``Flush(1)``.
-Rank 0 also measures one core's memcpy bandwidth (bench/memcpy.py): a same-host copy cannot beat it.
+Both read from / write into the same origin memory (numpy arrays; mk gets ``torch.from_numpy`` views of
+them), and the per-size buffer slices (and MPI's ``[buf, MPI.BYTE]`` specs) are made before the timed loop,
+so the loop times the library calls only. Rank 0 also measures one core's memcpy bandwidth
+(bench/memcpy.py): a same-host copy cannot beat it.
 
 Part 2, tensor store: rank 0 puts a uint8 tensor of each size (1 MiB - 256 MiB) into a ``TensorStore``
 placed on rank 1 (``put(key, t, rank=1)``: the pool is remote memory, not a local copy) and gets it back
@@ -67,29 +70,41 @@ def _timed(fn: Callable[[], None], seconds: float, lo: int, hi: int) -> tuple[fl
     return (time.perf_counter() - t0) / iters, iters
 
 
-def one_sided_ops(put: Callable[[int], None], get: Callable[[int], None], flush: Callable[[], None],
-                  burst: int) -> dict[str, Callable[[int], Callable[[], None]]]:
-    def put_lat(size: int) -> Callable[[], None]:
-        return lambda: (put(size), flush())
+def one_sided_ops(put: Callable[[int], Callable[[], None]], get: Callable[[int], Callable[[], None]],
+                  flush: Callable[[], None], burst: int) -> dict[str, Callable[[int], Callable[[], None]]]:
+    """The four tests as factories: size -> the timed call. ``put(size)`` / ``get(size)`` return a call that
+    moves ``size`` bytes with its buffers already sliced, so the timed loop holds nothing but library calls
+    (identical loop code for mk and MPI)."""
+    def lat(start: Callable[[int], Callable[[], None]]) -> Callable[[int], Callable[[], None]]:
+        def make(size: int) -> Callable[[], None]:
+            op = start(size)
 
-    def get_lat(size: int) -> Callable[[], None]:
-        return lambda: (get(size), flush())
+            def f() -> None:
+                op()
+                flush()
+            return f
+        return make
 
-    def put_bw(size: int) -> Callable[[], None]:
-        def f() -> None:
-            for _ in range(burst):
-                put(size)
-            flush()
-        return f
+    def bw(start: Callable[[int], Callable[[], None]]) -> Callable[[int], Callable[[], None]]:
+        def make(size: int) -> Callable[[], None]:
+            op = start(size)
+            ops = range(burst)
 
-    def get_bw(size: int) -> Callable[[], None]:
-        def f() -> None:
-            for _ in range(burst):
-                get(size)
-            flush()
-        return f
+            def f() -> None:
+                for _ in ops:
+                    op()
+                flush()
+            return f
+        return make
 
-    return {"put_lat": put_lat, "get_lat": get_lat, "put_bw": put_bw, "get_bw": get_bw}
+    return {"put_lat": lat(put), "get_lat": lat(get), "put_bw": bw(put), "get_bw": bw(get)}
+
+
+def origin_buffers(n: int) -> tuple[Any, Any]:
+    """Rank 0's source (random bytes) and destination, shared by the mk and MPI measurements."""
+    import numpy as np
+
+    return np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
 
 
 def measure_one_sided(name: str, ops: dict[str, Callable[[int], Callable[[], None]]], sizes: list[int],
@@ -107,7 +122,10 @@ def measure_one_sided(name: str, ops: dict[str, Callable[[int], Callable[[], Non
     return rows
 
 
-def mk_window_side(sizes: list[int], args: argparse.Namespace, rank: int) -> tuple[list[dict[str, Any]], str]:
+def mk_window_side(sizes: list[int], args: argparse.Namespace, rank: int,
+                   buffers: tuple[Any, Any]) -> tuple[list[dict[str, Any]], str]:
+    import functools
+
     import torch
     import torch.distributed as dist
 
@@ -118,8 +136,7 @@ def mk_window_side(sizes: list[int], args: argparse.Namespace, rank: int) -> tup
     win = Window.allocate((max(sizes),), torch.uint8)
     rows: list[dict[str, Any]] = []
     if rank == 0:
-        src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8)
-        dst = torch.empty(max(sizes), dtype=torch.uint8)
+        src, dst = (torch.from_numpy(b) for b in buffers)
 
         def check(size: int) -> str:
             win.put(1, 0, src[:size])
@@ -129,15 +146,19 @@ def mk_window_side(sizes: list[int], args: argparse.Namespace, rank: int) -> tup
             win.flush(1)
             return "ok" if torch.equal(dst[:size], src[:size]) else "put/get round trip differs"
 
-        ops = one_sided_ops(lambda s: win.put(1, 0, src[:s]), lambda s: win.get(1, 0, dst[:s]),
-                            lambda: win.flush(1), args.burst)
+        ops = one_sided_ops(lambda s: functools.partial(win.put, 1, 0, src[:s]),
+                            lambda s: functools.partial(win.get, 1, 0, dst[:s]),
+                            functools.partial(win.flush, 1), args.burst)
         rows = measure_one_sided("mk", ops, sizes, args.burst, args.time, check)
     dist.barrier()
     win.free()
     return rows, ""
 
 
-def mpi_window_side(sizes: list[int], args: argparse.Namespace, comm: Any) -> list[dict[str, Any]]:
+def mpi_window_side(sizes: list[int], args: argparse.Namespace, comm: Any,
+                    buffers: tuple[Any, Any]) -> list[dict[str, Any]]:
+    import functools
+
     import numpy as np
     from mpi4py import MPI
 
@@ -145,8 +166,7 @@ def mpi_window_side(sizes: list[int], args: argparse.Namespace, comm: Any) -> li
     rows: list[dict[str, Any]] = []
     win.Lock_all()
     if comm.Get_rank() == 0:
-        src = np.random.default_rng(1).integers(0, 256, max(sizes), dtype=np.uint8)
-        dst = np.empty(max(sizes), dtype=np.uint8)
+        src, dst = buffers
 
         def check(size: int) -> str:
             win.Put([src[:size], MPI.BYTE], 1)
@@ -156,8 +176,9 @@ def mpi_window_side(sizes: list[int], args: argparse.Namespace, comm: Any) -> li
             win.Flush(1)
             return "ok" if np.array_equal(dst[:size], src[:size]) else "put/get round trip differs"
 
-        ops = one_sided_ops(lambda s: win.Put([src[:s], MPI.BYTE], 1), lambda s: win.Get([dst[:s], MPI.BYTE], 1),
-                            lambda: win.Flush(1), args.burst)
+        ops = one_sided_ops(lambda s: functools.partial(win.Put, [src[:s], MPI.BYTE], 1),
+                            lambda s: functools.partial(win.Get, [dst[:s], MPI.BYTE], 1),
+                            functools.partial(win.Flush, 1), args.burst)
         rows = measure_one_sided("mpi", ops, sizes, args.burst, args.time, check)
     win.Unlock_all()
     comm.Barrier()
@@ -467,8 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     if n < 2:
         raise SystemExit("bench/memory.py needs at least 2 ranks")
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
+    buffers = origin_buffers(max(sizes)) if rank == 0 else (None, None)  # one origin memory for mk and MPI
     if "mk" not in skip:
-        rows, why = mk_window_side(sizes, args, rank)
+        rows, why = mk_window_side(sizes, args, rank, buffers)
         doc["one_sided"] += rows
         doc["meta"]["mk_window_reason"] = why
     if "mpi" not in skip:
@@ -478,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             from mpi4py import MPI
 
             doc["meta"]["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
-            doc["one_sided"] += mpi_window_side(sizes, args, launch.mpi_comm)
+            doc["one_sided"] += mpi_window_side(sizes, args, launch.mpi_comm, buffers)
     if "store" not in skip:
         rows, why = store_side(sorted(parse_size(s) for s in args.store_sizes.split(",")), args, rank, n)
         doc["store"] = rows

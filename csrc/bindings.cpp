@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "transport/deadline.h"
@@ -31,6 +32,8 @@ auto window_call(F&& f) -> decltype(f()) {
     return f();
   } catch (const mk::RangeError& e) {
     throw py::index_error(e.what());
+  } catch (const mk::ArgumentError& e) {
+    throw py::value_error(e.what());
   } catch (const mk::TimeoutError& e) {
     PyErr_SetString(PyExc_TimeoutError, e.what());
     throw py::error_already_set();
@@ -66,19 +69,21 @@ mk::Deadline window_deadline(const mk::Window& w, std::optional<double> timeout)
   return mk::Deadline::after(std::chrono::milliseconds(int64_t(*timeout * 1000.0)));
 }
 
-struct PyWindow {
+struct PyWindow : std::enable_shared_from_this<PyWindow> {
   c10::intrusive_ptr<c10d::Backend> backend;  // owns the communicator the window uses
   // Tensors of operations that were not known complete when their call returned (async, or a wait that
   // failed): the provider may still read or write them, so they live until the request finished.
-  std::vector<std::pair<mk::RequestPtr, py::object>> held;
+  std::vector<std::pair<mk::RequestPtr, at::Tensor>> held;
   std::unique_ptr<mk::Window> win;  // destroyed before `held` (it waits for its requests)
   c10::ScalarType dtype;
+  size_t esize = 1;
   mk::Window& w() const { return *win; }
-  void hold(const mk::RequestPtr& r, py::object keep) {
+  void hold(const mk::RequestPtr& r, const at::Tensor& keep) {
     release_done();
-    held.emplace_back(r, std::move(keep));
+    held.emplace_back(r, keep);
   }
   void release_done() {
+    if (held.empty()) return;
     held.erase(std::remove_if(held.begin(), held.end(), [](const auto& h) { return h.first->test(); }), held.end());
   }
 };
@@ -89,50 +94,341 @@ struct WindowFuture {
   PyWindowPtr owner;
   mk::RequestPtr req;  // null: completed at once
   std::shared_ptr<int64_t> result;
-  py::object keep;  // the tensors the operation reads or writes
+  at::Tensor keep;  // the tensor the operation reads or writes (undefined when none or completed)
   const char* op;
   int target;
   py::object wait(std::optional<double> timeout) {
-    window_call([&] {
-      mk::Deadline d = window_deadline(owner->w(), timeout);
-      py::gil_scoped_release nogil;
-      owner->w().wait(req, d, op, target);
-    });
-    keep = py::none();
+    if (req) {
+      window_call([&] {
+        mk::Deadline d = window_deadline(owner->w(), timeout);
+        py::gil_scoped_release nogil;
+        owner->w().wait(req, d, op, target);
+      });
+    }
+    keep = at::Tensor();
     if (result) return py::int_(*result);
     return py::none();
   }
   bool done() const { return !req || req->test(); }
 };
 
-// A contiguous CPU tensor of the window's dtype: its data pointer and element count.
-std::pair<char*, size_t> window_buffer(const PyWindow& pw, const at::Tensor& t, const char* op, const char* arg) {
+// Direct (same-host mapped) operations up to this many bytes run without releasing the GIL: releasing and
+// re-acquiring it costs more than copying them. Accumulate does an atomic read-modify-write per element,
+// far slower per byte than a copy, so it keeps the GIL only for small sizes.
+constexpr size_t kKeepGilBytes = size_t(64) << 10;
+constexpr size_t kKeepGilAccumulateBytes = size_t(4) << 10;
+
+// A CPU tensor of the window's dtype (ValueError / TypeError otherwise).
+void window_check_tensor(const PyWindow& pw, const at::Tensor& t, const char* op, const char* arg) {
   if (!t.device().is_cpu())
     throw py::value_error(mk::cat("superkernel Window.", op, ": ", arg, " must be a CPU tensor, got ", t.device().str()));
   if (t.scalar_type() != pw.dtype)
     throw py::type_error(mk::cat("superkernel Window.", op, ": ", arg, " has dtype ", c10::toString(t.scalar_type()),
                                  " but the window holds ", c10::toString(pw.dtype)));
+}
+
+// A contiguous CPU tensor of the window's dtype: its data pointer and element count.
+std::pair<char*, size_t> window_buffer(const PyWindow& pw, const at::Tensor& t, const char* op, const char* arg) {
+  window_check_tensor(pw, t, op, arg);
   if (!t.is_contiguous())
     throw py::value_error(mk::cat("superkernel Window.", op, ": ", arg, " must be contiguous"));
   return {static_cast<char*>(t.data_ptr()), size_t(t.numel())};
 }
 
-mk::RedOp window_redop(const std::string& op) {
+mk::RedOp window_redop(std::string_view op) {
   if (op == "sum") return mk::RedOp::sum;
   if (op == "min") return mk::RedOp::min;
   if (op == "max") return mk::RedOp::max;
-  throw py::value_error("superkernel Window.accumulate: op must be 'sum', 'min' or 'max', got '" + op + "'");
+  throw py::value_error(mk::cat("superkernel Window.accumulate: op must be 'sum', 'min' or 'max', got '", op, "'"));
 }
 
-// Finish an operation: blocking -> wait and return value; async -> a WindowFuture.
-py::object window_finish(const PyWindowPtr& pw, mk::RequestPtr req, std::shared_ptr<int64_t> result, py::object keep,
+void window_check_offset(int64_t offset, const char* op) {
+  if (offset < 0) throw py::index_error(mk::cat("superkernel Window.", op, ": offset must be >= 0"));
+}
+
+// Start an operation on the window: `f` performs it (on the caller's thread when `target` is mapped here
+// and the operation is small; else with the GIL released) and returns its request or null.
+template <typename F>
+mk::RequestPtr window_start(PyWindow& p, int target, size_t bytes, size_t keep_gil_bytes, F&& f) {
+  return window_call([&] {
+    if (bytes <= keep_gil_bytes && p.w().direct(target)) return f();
+    py::gil_scoped_release nogil;
+    return f();
+  });
+}
+
+// Finish an operation: blocking -> wait and return value; async -> a WindowFuture. `keep` (or null): the
+// tensor the operation reads or writes, kept alive until it completed.
+py::object window_finish(PyWindow& pw, mk::RequestPtr req, std::shared_ptr<int64_t> result, const at::Tensor* keep,
                          const char* op, int target, bool async_op) {
-  if (req && !keep.is_none() && (async_op || !req->test())) pw->hold(req, keep);
-  auto f = WindowFuture{pw, std::move(req), std::move(result), std::move(keep), op, target};
+  if (!req && !async_op) {  // completed synchronously (direct access): nothing to keep, nothing to wait for
+    if (result) return py::int_(*result);
+    return py::none();
+  }
+  at::Tensor kept = keep && req ? *keep : at::Tensor();
+  if (kept.defined() && (async_op || !req->test())) pw.hold(req, kept);
+  auto f = WindowFuture{pw.shared_from_this(), std::move(req), std::move(result), std::move(kept), op, target};
   if (async_op) return py::cast(std::move(f));
-  if (f.req) return f.wait(std::nullopt);
-  if (f.result) return py::int_(*f.result);
-  return py::none();
+  return f.wait(std::nullopt);
+}
+
+// The operations, shared by the pybind methods of _C.Window and the vectorcall fast paths below.
+py::object window_put(PyWindow& p, int target, int64_t offset, const at::Tensor& src_in, std::optional<int64_t> notify,
+                      bool async_op) {
+  window_check_tensor(p, src_in, "put", "src");
+  c10::MaybeOwned<at::Tensor> src = src_in.expect_contiguous();  // a non-contiguous src is copied first
+  window_check_offset(offset, "put");
+  if (notify && *notify < 0) throw py::index_error("superkernel Window.put: notify tag must be >= 0");
+  const void* ptr = src->const_data_ptr();
+  const size_t n = size_t(src->numel());
+  const uint64_t tag = notify ? uint64_t(*notify) : mk::kNoNotify;
+  mk::RequestPtr r = window_start(p, target, n * p.esize, kKeepGilBytes,
+                                  [&] { return p.w().put(target, size_t(offset), ptr, n, tag); });
+  return window_finish(p, std::move(r), nullptr, &*src, "put", target, async_op);
+}
+
+py::object window_get(PyWindow& p, int target, int64_t offset, const at::Tensor& out, bool async_op) {
+  auto [ptr, n] = window_buffer(p, out, "get", "out");
+  window_check_offset(offset, "get");
+  mk::RequestPtr r = window_start(p, target, n * p.esize, kKeepGilBytes,
+                                  [&, ptr = ptr, n = n] { return p.w().get(target, size_t(offset), ptr, n); });
+  return window_finish(p, std::move(r), nullptr, &out, "get", target, async_op);
+}
+
+py::object window_accumulate(PyWindow& p, int target, int64_t offset, const at::Tensor& src_in, std::string_view op,
+                             bool async_op) {
+  window_check_tensor(p, src_in, "accumulate", "src");
+  c10::MaybeOwned<at::Tensor> src = src_in.expect_contiguous();
+  const mk::RedOp rop = window_redop(op);
+  window_check_offset(offset, "accumulate");
+  const void* ptr = src->const_data_ptr();
+  const size_t n = size_t(src->numel());
+  mk::RequestPtr r = window_start(p, target, n * p.esize, kKeepGilAccumulateBytes,
+                                  [&] { return p.w().accumulate(target, size_t(offset), ptr, n, rop); });
+  return window_finish(p, std::move(r), nullptr, &*src, "accumulate", target, async_op);
+}
+
+py::object window_atomic(PyWindow& p, int target, int64_t offset, bool cas, int64_t a, int64_t b, bool async_op) {
+  window_check_offset(offset, cas ? "compare_swap" : "fetch_add");
+  if (p.dtype != at::kLong)
+    throw py::type_error(mk::cat("superkernel Window.", cas ? "compare_swap" : "fetch_add",
+                                 ": needs an int64 window, this one holds ", c10::toString(p.dtype)));
+  auto result = std::make_shared<int64_t>(0);
+  const mk::AmoOp op = cas ? mk::AmoOp::compare_swap : mk::AmoOp::fetch_add;
+  mk::RequestPtr r = window_start(p, target, 8, kKeepGilBytes,
+                                  [&] { return p.w().atomic(target, size_t(offset), op, a, b, result); });
+  return window_finish(p, std::move(r), std::move(result), nullptr, cas ? "compare_swap" : "fetch_add", target, async_op);
+}
+
+// flush(target), or flush_all() when `all`: the fence alone when nothing of this rank is in flight, else
+// wait for the requests with the GIL released.
+void window_flush(PyWindow& p, bool all, int target, std::optional<double> timeout) {
+  if (timeout && *timeout < 0) throw py::value_error("superkernel Window: timeout must be >= 0 seconds");
+  window_call([&] {
+    if (all ? p.w().flush_all_direct() : p.w().flush_direct(target)) return;
+    mk::Deadline d = window_deadline(p.w(), timeout);
+    py::gil_scoped_release nogil;
+    if (all)
+      p.w().flush_all(d);
+    else
+      p.w().flush(target, d);
+  });
+  p.release_done();
+}
+
+// ---- vectorcall fast paths: Python's Window binds these as instance attributes, so win.put(...) reaches C++
+// without a Python frame or pybind's generic dispatcher. Same signatures and semantics as the methods.
+constexpr const char* kFastCapsule = "superkernel._C.Window";
+
+PyWindow& fast_self(PyObject* self) {
+  return *static_cast<PyWindow*>(PyCapsule_GetPointer(self, kFastCapsule));
+}
+
+// Match positional and keyword arguments against `names` (the first `required` must be given); `out`
+// receives borrowed references, null for an omitted optional argument.
+template <size_t N>
+void fast_args(const char* fn, const char* const (&names)[N], size_t required, PyObject* const* args, Py_ssize_t nargs,
+               PyObject* kwnames, PyObject* (&out)[N]) {
+  const size_t npos = size_t(PyVectorcall_NARGS(nargs));
+  if (npos > N) throw py::type_error(mk::cat(fn, "() takes at most ", N, " arguments (", npos, " given)"));
+  for (size_t i = 0; i < N; ++i) out[i] = i < npos ? args[i] : nullptr;
+  if (kwnames) {
+    const Py_ssize_t nkw = PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t k = 0; k < nkw; ++k) {
+      PyObject* key = PyTuple_GET_ITEM(kwnames, k);
+      size_t i = 0;
+      while (i < N && PyUnicode_CompareWithASCIIString(key, names[i]) != 0) ++i;
+      if (i == N)
+        throw py::type_error(mk::cat(fn, "() got an unexpected keyword argument '", py::str(key).cast<std::string>(), "'"));
+      if (out[i]) throw py::type_error(mk::cat(fn, "() got multiple values for argument '", names[i], "'"));
+      out[i] = args[npos + size_t(k)];
+    }
+  }
+  for (size_t i = 0; i < required; ++i)
+    if (!out[i]) throw py::type_error(mk::cat(fn, "() missing required argument '", names[i], "' (pos ", i + 1, ")"));
+}
+
+int64_t fast_int(PyObject* o) {  // an int, or anything with __index__ (not a float), as pybind's int64_t
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return int64_t(v);
+}
+
+int fast_rank(PyObject* o, const char* op) {
+  const int64_t v = fast_int(o);
+  if (v < INT_MIN || v > INT_MAX) throw py::index_error(mk::cat("superkernel Window.", op, ": rank ", v, " is out of range"));
+  return int(v);
+}
+
+int64_t fast_value(PyObject* o) {  // Python's int(o), as Window.fetch_add / compare_swap did
+  if (PyLong_Check(o)) return fast_int(o);
+  py::object v = py::reinterpret_steal<py::object>(PyNumber_Long(o));
+  if (!v) throw py::error_already_set();
+  return fast_int(v.ptr());
+}
+
+bool fast_bool(PyObject* o) {
+  if (!o) return false;
+  const int v = PyObject_IsTrue(o);
+  if (v < 0) throw py::error_already_set();
+  return v != 0;
+}
+
+const at::Tensor& fast_tensor(PyObject* o, const char* op, const char* arg) {
+  if (!THPVariable_Check(o))
+    throw py::type_error(mk::cat("superkernel Window.", op, ": ", arg, " must be a tensor, got ", Py_TYPE(o)->tp_name));
+  return THPVariable_Unpack(o);
+}
+
+std::optional<double> fast_timeout(PyObject* o) {
+  if (!o || o == Py_None) return std::nullopt;
+  const double v = PyFloat_AsDouble(o);
+  if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+template <typename F>
+PyObject* fast_call(F&& f) {
+  try {
+    return f().release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+PyObject* fast_put(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return fast_call([&] {
+    static const char* const names[] = {"rank", "offset", "src", "notify", "async_op"};
+    PyObject* a[5];
+    fast_args("put", names, 3, args, nargs, kwnames, a);
+    std::optional<int64_t> notify;
+    if (a[3] && a[3] != Py_None) notify = fast_int(a[3]);
+    return window_put(fast_self(self), fast_rank(a[0], "put"), fast_int(a[1]), fast_tensor(a[2], "put", "src"), notify,
+                      fast_bool(a[4]));
+  });
+}
+
+PyObject* fast_get(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return fast_call([&] {
+    static const char* const names[] = {"rank", "offset", "out", "async_op"};
+    PyObject* a[4];
+    fast_args("get", names, 3, args, nargs, kwnames, a);
+    return window_get(fast_self(self), fast_rank(a[0], "get"), fast_int(a[1]), fast_tensor(a[2], "get", "out"),
+                      fast_bool(a[3]));
+  });
+}
+
+PyObject* fast_accumulate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return fast_call([&] {
+    static const char* const names[] = {"rank", "offset", "src", "op", "async_op"};
+    PyObject* a[5];
+    fast_args("accumulate", names, 3, args, nargs, kwnames, a);
+    std::string_view op = "sum";
+    if (a[3]) {
+      Py_ssize_t len = 0;
+      const char* s = PyUnicode_Check(a[3]) ? PyUnicode_AsUTF8AndSize(a[3], &len) : nullptr;
+      if (!s) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        throw py::type_error(mk::cat("superkernel Window.accumulate: op must be a str, got ", Py_TYPE(a[3])->tp_name));
+      }
+      op = std::string_view(s, size_t(len));
+    }
+    return window_accumulate(fast_self(self), fast_rank(a[0], "accumulate"), fast_int(a[1]),
+                             fast_tensor(a[2], "accumulate", "src"), op, fast_bool(a[4]));
+  });
+}
+
+PyObject* fast_fetch_add(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return fast_call([&] {
+    static const char* const names[] = {"rank", "offset", "value", "async_op"};
+    PyObject* a[4];
+    fast_args("fetch_add", names, 3, args, nargs, kwnames, a);
+    return window_atomic(fast_self(self), fast_rank(a[0], "fetch_add"), fast_int(a[1]), false, fast_value(a[2]), 0,
+                         fast_bool(a[3]));
+  });
+}
+
+PyObject* fast_compare_swap(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return fast_call([&] {
+    static const char* const names[] = {"rank", "offset", "expected", "desired", "async_op"};
+    PyObject* a[5];
+    fast_args("compare_swap", names, 4, args, nargs, kwnames, a);
+    return window_atomic(fast_self(self), fast_rank(a[0], "compare_swap"), fast_int(a[1]), true, fast_value(a[2]),
+                         fast_value(a[3]), fast_bool(a[4]));
+  });
+}
+
+PyObject* fast_flush(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return fast_call([&] {
+    static const char* const names[] = {"rank", "timeout"};
+    PyObject* a[2];
+    fast_args("flush", names, 1, args, nargs, kwnames, a);
+    window_flush(fast_self(self), false, fast_rank(a[0], "flush"), fast_timeout(a[1]));
+    return py::none();
+  });
+}
+
+PyObject* fast_flush_all(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return fast_call([&] {
+    static const char* const names[] = {"timeout"};
+    PyObject* a[1];
+    fast_args("flush_all", names, 0, args, nargs, kwnames, a);
+    window_flush(fast_self(self), true, 0, fast_timeout(a[0]));
+    return py::none();
+  });
+}
+
+#define MK_FAST(name, doc) \
+  PyMethodDef { #name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_##name)), METH_FASTCALL | METH_KEYWORDS, doc }
+PyMethodDef fast_methods[] = {
+    MK_FAST(put, "put(rank, offset, src, notify=None, async_op=False): superkernel.memory.Window.put"),
+    MK_FAST(get, "get(rank, offset, out, async_op=False): superkernel.memory.Window.get"),
+    MK_FAST(accumulate, "accumulate(rank, offset, src, op='sum', async_op=False): superkernel.memory.Window.accumulate"),
+    MK_FAST(fetch_add, "fetch_add(rank, offset, value, async_op=False): superkernel.memory.Window.fetch_add"),
+    MK_FAST(compare_swap,
+            "compare_swap(rank, offset, expected, desired, async_op=False): superkernel.memory.Window.compare_swap"),
+    MK_FAST(flush, "flush(rank, timeout=None): superkernel.memory.Window.flush"),
+    MK_FAST(flush_all, "flush_all(timeout=None): superkernel.memory.Window.flush_all"),
+};
+#undef MK_FAST
+
+// {name: builtin function} bound to the window `self` (a capsule pointing at it keeps it alive).
+py::dict window_fast_ops(const py::object& self) {
+  PyWindow& p = self.cast<PyWindow&>();
+  py::object cap = py::reinterpret_steal<py::object>(PyCapsule_New(&p, kFastCapsule, [](PyObject* c) {
+    Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(c)));
+  }));
+  if (!cap) throw py::error_already_set();
+  if (PyCapsule_SetContext(cap.ptr(), self.ptr()) != 0) throw py::error_already_set();
+  self.inc_ref();  // released by the capsule's destructor
+  py::dict ops;
+  for (PyMethodDef& def : fast_methods) {
+    py::object f = py::reinterpret_steal<py::object>(PyCFunction_New(&def, cap.ptr()));
+    if (!f) throw py::error_already_set();
+    ops[def.ml_name] = f;
+  }
+  return ops;
 }
 
 }  // namespace
@@ -203,6 +499,7 @@ PYBIND11_MODULE(_C, m) {
              auto pw = std::make_shared<PyWindow>();
              pw->backend = b;
              pw->dtype = st;
+             pw->esize = size_t(c10::elementSize(st));
              if (count < 0) throw py::value_error("superkernel Window: the element count must be >= 0");
              const mk::DType t = window_dtype(st);
              const void* init_ptr = nullptr;
@@ -235,88 +532,34 @@ PYBIND11_MODULE(_C, m) {
            },
            "This rank's exposed elements as a 1-D tensor (it keeps the memory mapped, also after free).")
       .def("put",
-           [](const PyWindowPtr& p, int target, int64_t offset, const at::Tensor& src, std::optional<int64_t> notify,
-              bool async_op) {
-             auto [ptr, n] = window_buffer(*p, src, "put", "src");
-             if (offset < 0) throw py::index_error("superkernel Window.put: offset must be >= 0");
-             if (notify && *notify < 0) throw py::index_error("superkernel Window.put: notify tag must be >= 0");
-             mk::RequestPtr r = window_call([&] {
-               py::gil_scoped_release nogil;
-               return p->w().put(target, size_t(offset), ptr, n, notify ? uint64_t(*notify) : mk::kNoNotify);
-             });
-             return window_finish(p, r, nullptr, py::cast(src), "put", target, async_op);
-           },
+           [](PyWindow& p, int target, int64_t offset, const at::Tensor& src, std::optional<int64_t> notify,
+              bool async_op) { return window_put(p, target, offset, src, notify, async_op); },
            py::arg("rank"), py::arg("offset"), py::arg("src"), py::arg("notify") = py::none(),
            py::arg("async_op") = false)
       .def("get",
-           [](const PyWindowPtr& p, int target, int64_t offset, const at::Tensor& out, bool async_op) {
-             auto [ptr, n] = window_buffer(*p, out, "get", "out");
-             if (offset < 0) throw py::index_error("superkernel Window.get: offset must be >= 0");
-             mk::RequestPtr r = window_call([&] {
-               py::gil_scoped_release nogil;
-               return p->w().get(target, size_t(offset), ptr, n);
-             });
-             return window_finish(p, r, nullptr, py::cast(out), "get", target, async_op);
+           [](PyWindow& p, int target, int64_t offset, const at::Tensor& out, bool async_op) {
+             return window_get(p, target, offset, out, async_op);
            },
            py::arg("rank"), py::arg("offset"), py::arg("out"), py::arg("async_op") = false)
       .def("accumulate",
-           [](const PyWindowPtr& p, int target, int64_t offset, const at::Tensor& src, const std::string& op,
-              bool async_op) {
-             auto [ptr, n] = window_buffer(*p, src, "accumulate", "src");
-             const mk::RedOp rop = window_redop(op);
-             if (offset < 0) throw py::index_error("superkernel Window.accumulate: offset must be >= 0");
-             mk::RequestPtr r = window_call([&] {
-               py::gil_scoped_release nogil;
-               try {
-                 return p->w().accumulate(target, size_t(offset), ptr, n, rop);
-               } catch (const mk::RangeError&) {
-                 throw;
-               } catch (const mk::PeerError&) {
-                 throw;
-               } catch (const mk::TimeoutError&) {
-                 throw;
-               } catch (const mk::Error& e) {
-                 throw mk::MismatchError(e.what());  // unsupported dtype/op: a ValueError
-               }
-             });
-             return window_finish(p, r, nullptr, py::cast(src), "accumulate", target, async_op);
+           [](PyWindow& p, int target, int64_t offset, const at::Tensor& src, const std::string& op, bool async_op) {
+             return window_accumulate(p, target, offset, src, op, async_op);
            },
            py::arg("rank"), py::arg("offset"), py::arg("src"), py::arg("op") = "sum", py::arg("async_op") = false)
       .def("atomic",
-           [](const PyWindowPtr& p, int target, int64_t offset, bool cas, int64_t a, int64_t b, bool async_op) {
-             if (offset < 0) throw py::index_error("superkernel Window: offset must be >= 0");
-             if (p->dtype != at::kLong)
-               throw py::type_error(mk::cat("superkernel Window.", cas ? "compare_swap" : "fetch_add",
-                                            ": needs an int64 window, this one holds ", c10::toString(p->dtype)));
-             auto result = std::make_shared<int64_t>(0);
-             const mk::AmoOp op = cas ? mk::AmoOp::compare_swap : mk::AmoOp::fetch_add;
-             mk::RequestPtr r = window_call([&] {
-               py::gil_scoped_release nogil;
-               return p->w().atomic(target, size_t(offset), op, a, b, result);
-             });
-             return window_finish(p, r, result, py::none(), cas ? "compare_swap" : "fetch_add", target, async_op);
+           [](PyWindow& p, int target, int64_t offset, bool cas, int64_t a, int64_t b, bool async_op) {
+             return window_atomic(p, target, offset, cas, a, b, async_op);
            },
            py::arg("rank"), py::arg("offset"), py::arg("cas"), py::arg("a"), py::arg("b"), py::arg("async_op") = false)
       .def("flush",
-           [](PyWindow& p, int target, std::optional<double> timeout) {
-             window_call([&] {
-               mk::Deadline d = window_deadline(p.w(), timeout);
-               py::gil_scoped_release nogil;
-               p.w().flush(target, d);
-             });
-             p.release_done();
-           },
+           [](PyWindow& p, int target, std::optional<double> timeout) { window_flush(p, false, target, timeout); },
            py::arg("rank"), py::arg("timeout") = py::none())
-      .def("flush_all",
-           [](PyWindow& p, std::optional<double> timeout) {
-             window_call([&] {
-               mk::Deadline d = window_deadline(p.w(), timeout);
-               py::gil_scoped_release nogil;
-               p.w().flush_all(d);
-             });
-             p.release_done();
-           },
+      .def("flush_all", [](PyWindow& p, std::optional<double> timeout) { window_flush(p, true, 0, timeout); },
            py::arg("timeout") = py::none())
+      .def("fast_ops", &window_fast_ops,
+           "{name: function}: put, get, accumulate, fetch_add, compare_swap, flush and flush_all of this window as "
+           "vectorcall builtins with the signatures of superkernel.memory.Window's methods (no Python frame, no "
+           "pybind dispatch).")
       .def("fence", [](const PyWindow& p, int target) { window_call([&] { p.w().fence(target); }); }, py::arg("rank"))
       .def("wait_notify",
            [](const PyWindow& p, int64_t tag, std::optional<double> timeout) {

@@ -267,8 +267,13 @@ void Window::check(int target, size_t offset, size_t count, const char* op) cons
 void Window::track(int target, const RequestPtr& r) {
   std::lock_guard<std::mutex> lock(inflight_mu_);
   auto& v = inflight_[size_t(target)];
-  if (v.size() >= 64) v.erase(std::remove_if(v.begin(), v.end(), [](const RequestPtr& q) { return q->test(); }), v.end());
+  if (v.size() >= 64) {
+    const size_t before = v.size();
+    v.erase(std::remove_if(v.begin(), v.end(), [](const RequestPtr& q) { return q->test(); }), v.end());
+    tracked_.fetch_sub(before - v.size(), std::memory_order_relaxed);
+  }
   v.push_back(r);
+  tracked_.fetch_add(1, std::memory_order_release);
 }
 
 RequestPtr Window::put(int target, size_t offset, const void* src, size_t count, uint64_t notify) {
@@ -298,7 +303,11 @@ RequestPtr Window::get(int target, size_t offset, void* dst, size_t count) {
 
 RequestPtr Window::accumulate(int target, size_t offset, const void* src, size_t count, RedOp op) {
   check(target, offset, count, "accumulate");
-  check_accumulate(dtype_, op, cat("mk window #", id_, " accumulate").c_str());
+  try {  // (the window's name only goes into the message when there is one)
+    check_accumulate(dtype_, op, "accumulate");
+  } catch (const Error& e) {
+    throw ArgumentError(cat("mk window #", id_, " ", e.what()));
+  }
   if (char* b = base_[size_t(target)]) {
     atomic_accumulate(b + offset * esize_, src, count, dtype_, op);
     return nullptr;
@@ -328,25 +337,44 @@ void Window::wait(const RequestPtr& r, const Deadline& d, const char* op, int ta
   r->wait(d, [&] { return cat("mk window #", id_, " ", op, ": rank ", comm_.rank(), ", target rank ", target); });
 }
 
-void Window::flush(int target, const Deadline& d) {
+bool Window::flush_direct(int target) {
   check_target(target, "flush");
-  std::atomic_thread_fence(std::memory_order_seq_cst);  // direct stores: complete once globally visible
+  // Direct stores are complete once globally visible: a full fence (not only release ordering) so that a
+  // load this thread issues after flush cannot pass them (x86 store buffer); a few ns.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return tracked_.load(std::memory_order_acquire) == 0;
+}
+
+bool Window::flush_all_direct() {
+  if (freed_.load())
+    throw Error(cat("mk window #", id_, " flush: rank ", comm_.rank(), ": the window was freed"));
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return tracked_.load(std::memory_order_acquire) == 0;
+}
+
+void Window::flush(int target, const Deadline& d) {
+  if (flush_direct(target)) return;
   std::vector<RequestPtr> v;
   {
     std::lock_guard<std::mutex> lock(inflight_mu_);
     v.swap(inflight_[size_t(target)]);
+    tracked_.fetch_sub(v.size(), std::memory_order_relaxed);
   }
   try {
     for (auto& r : v) wait(r, d, "flush", target);
   } catch (...) {
     std::lock_guard<std::mutex> lock(inflight_mu_);  // keep the unfinished ones for a later flush
     for (auto& r : v)
-      if (!r->test()) inflight_[size_t(target)].push_back(r);
+      if (!r->test()) {
+        inflight_[size_t(target)].push_back(r);
+        tracked_.fetch_add(1, std::memory_order_relaxed);
+      }
     throw;
   }
 }
 
 void Window::flush_all(const Deadline& d) {
+  if (flush_all_direct()) return;
   for (int p = 0; p < comm_.size(); ++p) flush(p, d);
 }
 

@@ -47,6 +47,11 @@ class RangeError : public Error {
  public:
   using Error::Error;
 };
+// An operation the window's dtype does not support, e.g. accumulate with an unsupported op (Python: ValueError).
+class ArgumentError : public Error {
+ public:
+  using Error::Error;
+};
 
 class WindowSegment;
 
@@ -76,6 +81,11 @@ class Window {
   std::shared_ptr<void> local_keepalive() const;
   // How `target` is reached: "self", "shm" (direct) or the provider's name.
   const char* transport_of(int target) const;
+  // True when `target`'s block is mapped here (self or same host, window not freed): its operations are
+  // performed on the caller's thread with loads and stores and complete before they return. Never throws.
+  bool direct(int target) const {
+    return target >= 0 && size_t(target) < base_.size() && base_[size_t(target)] != nullptr;
+  }
 
   // Start an operation. Returns null when it already completed (direct access), else a request that
   // finishes at remote completion (wait() it, or flush). Buffers must stay valid until then.
@@ -89,6 +99,11 @@ class Window {
   void wait(const RequestPtr& r, const Deadline& d, const char* op, int target);
   void flush(int target, const Deadline& d);
   void flush_all(const Deadline& d);
+  // The part of flush(target) / flush_all() that never waits: checks, then makes this thread's direct
+  // stores complete (a full fence). Returns true when that was all (no request of this rank is tracked);
+  // false: call flush / flush_all to wait for the requests.
+  bool flush_direct(int target);
+  bool flush_all_direct();
   void fence(int target);
   // Wait for (and consume) one notified put with `tag` at this rank. TimeoutError / CancelledError.
   void wait_notify(uint64_t tag, const Deadline& d);
@@ -118,6 +133,7 @@ class Window {
   std::atomic<bool> freed_{false};
   std::mutex inflight_mu_;
   std::vector<std::vector<RequestPtr>> inflight_;  // by rank: requests not yet known complete
+  std::atomic<size_t> tracked_{0};                  // their total (read without the lock by flush_direct)
 };
 
 }  // namespace mk

@@ -14,7 +14,7 @@ from tests.transport.world import run_world
 SUITE = str(Path(__file__).resolve().parent / "window_suite.py")
 WORLDS = [(2, "shm"), (2, "tcp"), (3, "shm"), (3, "tcp"), (4, "shm"), (4, "tcp")]
 FAMILIES = ["put_get", "accumulate", "fetch_add", "compare_swap", "notify", "fence", "async_ops", "errors",
-            "subgroup", "one_sided"]
+            "fast_ops", "subgroup", "one_sided"]
 _cache: dict[tuple[int, str, bool], list] = {}
 
 

@@ -358,6 +358,118 @@ def errors() -> None:
     win.free()
 
 
+def raised(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "", "no error"
+
+
+FAST = ("put", "get", "accumulate", "fetch_add", "compare_swap", "flush", "flush_all")
+
+
+@family
+def fast_ops() -> None:
+    """The per-window builtins that Window binds for its hot methods: same results, arguments and errors as
+    the documented methods (called through the class), non-contiguous sources, futures that outlive their
+    tensors."""
+    n = 32
+    p, prv = (rank + 1) % world, (rank - 1) % world
+    with Window.allocate(4 * n, torch.int64) as win:
+        kinds = {name: type(getattr(win, name)).__name__ for name in FAST}
+        check("fast_ops", all(k == "builtin_function_or_method" for k in kinds.values()), f"not bound: {kinds}")
+        dist.barrier()
+        # non-contiguous sources (a strided view, a transposed block), through both entry points
+        base = gen(f"fast/{rank}", 2 * n, torch.int64)
+        strided = base[::2]
+        block = base[: n].view(4, n // 4).t()
+        win.put(p, 0, strided)
+        Window.put(win, p, n, block)
+        win.accumulate(p, 2 * n, strided)
+        Window.accumulate(win, p, 2 * n, block, op="sum")
+        # keywords in any order; async futures whose (non-contiguous) source is dropped before the wait
+        tmp = gen(f"fast-async/{rank}", 2 * n, torch.int64)
+        f = win.put(src=tmp[::2], offset=3 * n, rank=p, async_op=True)
+        del tmp
+        f.wait(timeout=30)
+        check("fast_ops", f.done() and f.is_success(), "async put future")
+        win.flush(rank=p, timeout=30)
+        win.flush_all(timeout=30)
+        dist.barrier()
+        mine = gen(f"fast/{prv}", 2 * n, torch.int64)
+        want = torch.cat([mine[::2], mine[: n].view(4, n // 4).t().reshape(-1),
+                          mine[::2] + mine[: n].view(4, n // 4).t().reshape(-1),
+                          gen(f"fast-async/{prv}", 2 * n, torch.int64)[::2]])
+        check("fast_ops", same(win.tensor, want), f"after non-contiguous puts/accumulates {win.tensor.tolist()}")
+        out = torch.zeros(n, dtype=torch.int64)
+        win.get(out=out, rank=p, offset=0)
+        check("fast_ops", same(out, gen(f"fast/{rank}", 2 * n, torch.int64)[::2]), "get with keywords")
+        f = win.get(p, n, out, True)
+        check("fast_ops", f.wait() is None and same(out, block.reshape(-1)), "positional async get")
+        dist.barrier()
+        # atomics: int() of the value as before (a float, a 0-dim tensor), keywords, async
+        before = win.tensor[0].item() if rank == 0 else None
+        dist.barrier()
+        if rank == 0:
+            old = win.fetch_add(0, 0, 2.0)
+            old2 = win.fetch_add(0, 0, value=torch.tensor(3))
+            check("fast_ops", (old, old2) == (before, before + 2), f"fetch_add values {old, old2}, start {before}")
+            old3 = win.compare_swap(0, 0, expected=before + 5, desired=-1, async_op=True).wait()
+            check("fast_ops", old3 == before + 5 and win.tensor[0].item() == -1, f"compare_swap {old3}")
+        dist.barrier()
+        # argument errors as Python's own, and the library's errors identical through both entry points
+        buf = torch.zeros(4, dtype=torch.int64)
+        for what, fn in (("unknown keyword", lambda: win.put(p, 0, buf, nofity=1)),
+                         ("missing src", lambda: win.put(p, 0)),
+                         ("twice rank", lambda: win.get(p, 0, buf, rank=p)),
+                         ("too many", lambda: win.flush(p, 1.0, 2)),
+                         ("not a tensor", lambda: win.put(p, 0, [1, 2])),
+                         ("float offset", lambda: win.get(p, 0.5, buf))):
+            kind, msg = raised(fn)
+            check("fast_ops", kind == "TypeError", f"{what}: {kind}: {msg}")
+        cases = {"put": (lambda w: w.put(p, 4 * n - 2, buf), lambda: Window.put(win, p, 4 * n - 2, buf)),
+                 "dtype": (lambda w: w.put(p, 0, buf.float()), lambda: Window.put(win, p, 0, buf.float())),
+                 "rank": (lambda w: w.get(world, 0, buf), lambda: Window.get(win, world, 0, buf)),
+                 "offset": (lambda w: w.accumulate(p, -1, buf), lambda: Window.accumulate(win, p, -1, buf)),
+                 "op": (lambda w: w.accumulate(p, 0, buf, "prod"), lambda: Window.accumulate(win, p, 0, buf, "prod")),
+                 "notify": (lambda w: w.put(p, 0, buf, 5000), lambda: Window.put(win, p, 0, buf, 5000)),
+                 "timeout": (lambda w: w.flush(p, -1), lambda: Window.flush(win, p, -1)),
+                 "flush rank": (lambda w: w.flush(-1), lambda: Window.flush(win, -1)),
+                 "out": (lambda w: w.get(p, 0, torch.zeros(8, dtype=torch.int64)[::2]),
+                         lambda: Window.get(win, p, 0, torch.zeros(8, dtype=torch.int64)[::2]))}
+        want_kind = {"put": "IndexError", "dtype": "TypeError", "rank": "IndexError", "offset": "IndexError",
+                     "op": "ValueError", "notify": "IndexError", "timeout": "ValueError", "flush rank": "IndexError",
+                     "out": "ValueError"}
+        for name, (fast, slow) in cases.items():
+            a, b = raised(lambda: fast(win)), raised(slow)
+            check("fast_ops", a == b and a[0] == want_kind[name], f"{name}: fast {a} vs method {b}")
+        dist.barrier()
+    # after free: the same RuntimeError from every fast op
+    for name, fn in (("put", lambda: win.put(p, 0, buf)), ("get", lambda: win.get(p, 0, buf)),
+                     ("accumulate", lambda: win.accumulate(p, 0, buf)), ("fetch_add", lambda: win.fetch_add(p, 0, 1)),
+                     ("compare_swap", lambda: win.compare_swap(p, 0, 0, 1)), ("flush", lambda: win.flush(p)),
+                     ("flush_all", lambda: win.flush_all())):
+        kind, msg = raised(fn)
+        check("fast_ops", kind == "RuntimeError" and "freed" in msg, f"{name} after free: {kind}: {msg}")
+
+    class Logged(Window):  # a subclass that overrides put keeps its override (and the other fast ops)
+        calls = 0
+
+        def put(self, *a, **k):
+            Logged.calls += 1
+            return super().put(*a, **k)
+
+    with Logged.allocate(4, torch.int64) as lw:
+        lw.put(p, 0, torch.arange(4))
+        lw.flush(p)
+        dist.barrier()
+        check("fast_ops", Logged.calls == 1 and "put" not in lw.__dict__ and "flush" in lw.__dict__,
+              f"subclass override: calls {Logged.calls}, bound {sorted(lw.__dict__)}")
+        check("fast_ops", same(lw.tensor, torch.arange(4)), "subclass put landed")
+        dist.barrier()
+
+
 @family
 def subgroup() -> None:
     """A window over an mk subgroup of all ranks but the last: group ranks, group size."""
@@ -451,7 +563,7 @@ def main() -> None:
         except Exception:
             failures["die"].append(traceback.format_exc()[-1500:])
     else:
-        for fn in (put_get, accumulate, fetch_add, compare_swap, notify, fence, async_ops, errors, subgroup,
+        for fn in (put_get, accumulate, fetch_add, compare_swap, notify, fence, async_ops, errors, fast_ops, subgroup,
                    one_sided):
             fn()
     sys.stdout.write("REPORT " + json.dumps({"rank": rank, "transports": transports, "failures": failures,

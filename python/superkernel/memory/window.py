@@ -86,6 +86,10 @@ class Window:
     window memory, so the same tensor object keeps working and sees remote writes. Views of ``tensor``
     created *before* the window keep the old storage and do not see them. ``Window.allocate(shape, dtype)``
     lets the library allocate a zero-filled tensor instead.
+
+    ``put``, ``get``, ``accumulate``, ``fetch_add``, ``compare_swap``, ``flush`` and ``flush_all`` are bound
+    per window to C++ builtins with the signatures, results and errors of the methods documented here (a
+    subclass that overrides one keeps its override), so a same-host operation costs well under a microsecond.
     """
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
@@ -102,6 +106,7 @@ class Window:
             tensor.set_(local.untyped_storage(), 0, tensor.shape, tensor.stride())
         self._tensor = tensor
         self._group = group
+        self._bind_fast_ops()
 
     @classmethod
     def allocate(cls, shape: int | Sequence[int], dtype: torch.dtype,
@@ -114,7 +119,16 @@ class Window:
         win._impl = _C.Window(_mk_backend(group), math.prod(shape), dtype)
         win._tensor = win._impl.local_tensor().view(shape)
         win._group = group
+        win._bind_fast_ops()
         return win
+
+    def _bind_fast_ops(self) -> None:
+        # The hot operations go straight to C++: the builtins from _impl.fast_ops() have the signatures and
+        # semantics of the methods below (which stay the documented API and the path a subclass that
+        # overrides one of them keeps), and cost no Python frame per call.
+        for name, fn in self._impl.fast_ops().items():
+            if getattr(type(self), name) is getattr(Window, name):
+                self.__dict__[name] = fn
 
     # ---- introspection ----
     @property
@@ -151,7 +165,7 @@ class Window:
             async_op: bool = False) -> WindowFuture | None:
         """Write ``src`` into ``rank``'s block at element ``offset``; with ``notify=tag`` bump the target's
         notify counter ``tag`` once the data is visible there. A non-contiguous ``src`` is copied first."""
-        return self._impl.put(rank, offset, src.contiguous(), notify, async_op)
+        return self._impl.put(rank, offset, src, notify, async_op)
 
     def get(self, rank: int, offset: int, out: torch.Tensor, async_op: bool = False) -> WindowFuture | None:
         """Read ``out.numel()`` elements of ``rank``'s block from element ``offset`` into ``out``."""
@@ -160,7 +174,7 @@ class Window:
     def accumulate(self, rank: int, offset: int, src: torch.Tensor, op: str = "sum",
                    async_op: bool = False) -> WindowFuture | None:
         """Element-wise atomic ``target[offset + i] = op(target[offset + i], src[i])``, op in sum/min/max."""
-        return self._impl.accumulate(rank, offset, src.contiguous(), op, async_op)
+        return self._impl.accumulate(rank, offset, src, op, async_op)
 
     def fetch_add(self, rank: int, offset: int, value: int, async_op: bool = False) -> int | WindowFuture:
         """Atomically add ``value`` to the int64 at ``offset`` of ``rank``; returns the old value."""
