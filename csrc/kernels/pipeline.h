@@ -123,6 +123,18 @@ class Pipeline {
   Pending send(const at::Tensor& t, int peer, uint32_t slot);
   Pending recv(const at::Tensor& t, int peer, uint32_t slot);
 
+  // One ring step: send `out` to peer `to` and receive `in` from peer `from` (message `slot`; contiguous,
+  // untouched until waited; wait every returned Pending). On mk: two transport requests. On other backends
+  // that support coalescing (nccl), the send and the receive are issued as one batched group
+  // (Backend::startCoalescing / endCoalescing, as torch's batch_isend_irecv does), so a ring where every
+  // rank sends before it receives cannot deadlock on a stream that serialises p2p calls; every rank must
+  // call exchange() the same number of times in the same order (a collective-like sequence). Elsewhere
+  // (gloo) the backend's send and recv, as send()/recv().
+  std::vector<Pending> exchange(const at::Tensor& out, int to, const at::Tensor& in, int from, uint32_t slot);
+  // Whether exchange() is safe here: mk, a CPU device, or a backend that coalesces p2p (otherwise an
+  // accelerator backend's unbatched p2p could deadlock).
+  bool exchange_supported() const;
+
   // Collectives (sum) on contiguous (sub-)tensors, run in issue order, asynchronously.
   Pending allreduce(const at::Tensor& t);
   Pending reduce_scatter(const at::Tensor& in, const at::Tensor& out);  // in: R x out.numel()
