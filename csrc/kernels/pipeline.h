@@ -118,8 +118,8 @@ class Pipeline {
   // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.
   // On mk: straight to the transport, completed by its progress threads (rings: post every recv up front).
   // On other backends: c10d send/recv (Gloo: fine for rings; NCCL: unbatched p2p calls are serialised on one
-  // stream, so a ring where every rank sends before it receives deadlocks there; use the collectives below
-  // on non-mk backends, as allgather_gemm does). Their waits block in c10d's Work::wait (group timeout).
+  // stream, so a ring where every rank sends before it receives deadlocks there; use exchange() or the
+  // collectives below on non-mk backends). Their waits block in c10d's Work::wait (group timeout).
   Pending send(const at::Tensor& t, int peer, uint32_t slot);
   Pending recv(const at::Tensor& t, int peer, uint32_t slot);
 
