@@ -6,11 +6,14 @@
 // Dispatch. Every (token i, choice j) of this rank goes only to the rank that owns expert topk_ids[i, j].
 // The sender orders its rows by (global expert, token, choice) (a stable sort of the flattened ids), so the
 // rows for one destination are contiguous and already grouped by that destination's local expert. The
-// ranks first agree on shapes and exchange their per-expert counts (two small all_gathers), then exchange
-// exactly the routed rows (uneven point-to-point transfers; nothing is sent where the count is 0). As the
-// block from each source arrives (this rank's own block first, then the others), each of its per-expert
-// segments is multiplied by that expert's weight (fp32 accumulation) straight into its place in the
-// output, so the products of one block overlap the transfers of the next.
+// ranks first agree on shapes and exchange their per-expert counts (two small all_gathers), so every rank
+// knows every pair's row count; then exactly the routed rows move (nothing where the count is 0):
+//   mk      uneven point-to-point transfers straight to the transport, in pieces of ~512 KiB;
+//   other   (gloo; nccl on CUDA) the backend's alltoall_base with uneven splits, in P steps (P from the
+//           gathered counts, the same on every rank), step j carrying piece j of every pair.
+// As rows arrive (this rank's own block first, then the others), each per-expert segment is multiplied by
+// that expert's weight (fp32 accumulation) straight into its place in the output, so the products of one
+// piece overlap the transfers of the next.
 //
 // Output order of y [n_recv, f]: by local expert, then source rank, then token index, then choice.
 //
@@ -20,8 +23,9 @@
 //   [8 + R·E_r, 8 + 2·R·E_r)        send counts: rows this rank sent to each global expert
 //   [8 + 2·R·E_r, 8 + 2·R·E_r + t·k) send order: token·k + choice of each row sent, in sending order
 //
-// Combine. The reverse exchange: each rank returns to every source its rows (segments (e, s) for every
-// local expert e, which is the order the source sent them in); the home rank scales each returned row by
+// Combine. The reverse exchange (mk: point-to-point; other backends: one alltoall_base): each rank returns
+// to every source its rows (segments (e, s) for every local expert e, which is the order the source sent
+// them in); the home rank scales each returned row by
 // topk_weights[token, choice] into an fp32 [t, k, f] buffer and sums over k (a fixed order, whatever order
 // the blocks arrive in).
 #include <ATen/core/Tensor.h>
@@ -50,23 +54,36 @@ constexpr int64_t kMagic = 0x6d6b6d6f65;  // "mkmoe"
 constexpr int64_t kHeader = 8;
 constexpr int64_t kPieceBytes = int64_t(512) << 10;  // dispatch transfers rows in pieces of about this size
 
-// Non-mk backends move the rows by c10d send/recv, all posted up front: fine on Gloo (CPU); NCCL would
-// serialise the unbatched calls on one stream and deadlock, so other devices are refused until that path
-// uses batched p2p.
-void check_backend(const Group& g, const at::Tensor& t, const char* op) {
-  TORCH_CHECK(g.is_mk() || t.device().is_cpu(), "mk ", op, ": rank ", g.rank, ": on ", t.device(), " with the ",
-              g.backend_name(), " backend this op is not supported yet; use CPU tensors (mk or gloo)");
-}
-
 bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
-at::Tensor longs(const std::vector<int64_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); }
+at::Tensor longs(const std::vector<int64_t>& v, const c10::Device& device = c10::Device(c10::kCPU)) {
+  return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(device);
+}
+
+// Non-mk backends (gloo; nccl on CUDA) move the rows with the backend's alltoall_base with uneven splits:
+// one collective per pipeline step that every rank issues in the same order, so it is correct on NCCL by
+// construction (no unbatched point-to-point that NCCL would serialise on one stream). A backend without
+// alltoall_base fails on every rank with an error naming it.
+//
+// One such step: rows of dim 0, uneven splits per peer (0 for this rank itself; its own rows never move).
+Pending alltoall_step(Pipeline& p, const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
+                      std::vector<int64_t> in_splits) {
+  const Group& g = p.group();
+  try {
+    return p.alltoall(in, out, std::move(out_splits), std::move(in_splits));
+  } catch (const c10::DistBackendError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "mk ", p.op(), ": rank ", g.rank, ": the ", g.backend_name(), " backend cannot run "
+                "alltoall_base with uneven splits on ", g.device, ", which this op needs on non-mk backends: ",
+                e.what_without_backtrace());
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tensor& x, const at::Tensor& topk_ids,
                                                                  const at::Tensor& w, c10::string_view group_name) {
   const char* op = "moe_dispatch_gemm";
   const Group g = resolve_group(std::string(group_name), x.device(), op);
-  check_backend(g, x, op);
   Pipeline p(g, op);
   const int R = p.size(), me = p.rank();
 
@@ -109,7 +126,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   at::Tensor routed = x.index_select(0, perm.div(K, "floor"));  // [t·K, h], contiguous
   const at::Tensor C = at::empty({R, E}, counts.options());        // [R, E]: rows rank s sends to expert e
   p.allgather(counts, C.view({-1})).wait();  // flat: Gloo splits the output like the input
-  const auto Ca = C.accessor<int64_t, 2>();
+  const at::Tensor Chost = C.to(at::kCPU);   // on an accelerator: after the gather (stream-ordered copy)
+  const auto Ca = Chost.accessor<int64_t, 2>();
   auto from = [&](int s, int64_t e) { return Ca[s][me * Er + e]; };  // rows from s for my expert e
 
   std::vector<int64_t> n_from(size_t(R), 0), n_to(size_t(R), 0), off_to(size_t(R), 0), col(size_t(Er), 0);
@@ -128,50 +146,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   for (int64_t e = 0, base = 0; e < Er; base += col[size_t(e)], ++e)
     for (int s = 0, at_row = base; s < R; at_row += from(s, e), ++s) seg[size_t(s)][size_t(e)] = at_row;
 
-  // Post the transfers, in pieces of about kPieceBytes that never straddle two experts, so the product of
-  // one piece overlaps the transfer of the next: receives into one buffer (a region per source), then the
-  // sends of our routed rows. Both sides enumerate a pair's pieces the same way (expert by expert, from the
-  // agreed counts and hidden size), so piece j travels in message slot j.
-  const int64_t row_bytes = std::max<int64_t>(1, h * x.element_size());
-  auto piece_rows = [&](int64_t pair_rows) {
-    return std::max<int64_t>({1, kPieceBytes / row_bytes, (pair_rows >> 19) + 1});  // slots stay < 2^20
-  };
-  std::vector<int64_t> off_from(size_t(R), 0);
-  int64_t remote_rows = 0;
-  for (int s = 0; s < R; ++s)
-    if (s != me) {
-      off_from[size_t(s)] = remote_rows;
-      remote_rows += n_from[size_t(s)];
-    }
-  at::Tensor inbox = at::empty({remote_rows, h}, x.options());
-  struct Piece {
-    int64_t expert, row, rows, offset;  // rows [row, row + rows) of the source's block: expert's rows from offset
-    Pending pending;
-  };
-  std::vector<std::vector<Piece>> incoming(static_cast<size_t>(R));
-  std::vector<Pending> outgoing;
-  for (int i = 1; i < R; ++i) {
-    const int s = (me - i + R) % R;
-    const int64_t step = piece_rows(n_from[size_t(s)]);
-    uint32_t slot = 0;
-    for (int64_t e = 0, row = 0; e < Er; row += from(s, e), ++e)
-      for (int64_t o = 0; o < from(s, e); o += step) {
-        const int64_t m = std::min(step, from(s, e) - o);
-        incoming[size_t(s)].push_back(
-            {e, row + o, m, o, p.recv(inbox.narrow(0, off_from[size_t(s)] + row + o, m), s, slot++)});
-      }
-  }
-  for (int i = 1; i < R; ++i) {
-    const int d = (me + i) % R;
-    const int64_t step = piece_rows(n_to[size_t(d)]);
-    uint32_t slot = 0;
-    for (int64_t e = 0, row = 0; e < Er; row += Ca[me][d * Er + e], ++e)
-      for (int64_t o = 0; o < Ca[me][d * Er + e]; o += step) {
-        const int64_t m = std::min(step, Ca[me][d * Er + e] - o);
-        outgoing.push_back(p.send(routed.narrow(0, off_to[size_t(d)] + row + o, m), d, slot++));
-      }
-  }
-
   // Multiply rows of source s for expert e (starting at `offset` among them) into their place in y.
   at::Tensor y = at::empty({n_recv, f}, x.options());
   // ATen's CPU GEMM accumulates bf16/fp16 products in fp32 (opmath), so it runs on the input dtype directly;
@@ -186,21 +160,132 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
     else
       out.copy_(at::mm(rows.to(at::kFloat), wk[e]));
   };
-  // Our own rows first (no transfer), then every piece as it arrives, nearest sources first.
-  for (int64_t e = 0, row = 0; e < Er; row += from(me, e), ++e)
-    multiply(me, e, 0, routed.narrow(0, off_to[size_t(me)] + row, from(me, e)));
-  for (int i = 1; i < R; ++i) {
-    const int s = (me - i + R) % R;
-    for (Piece& pc : incoming[size_t(s)]) {
-      pc.pending.wait();
-      multiply(s, pc.expert, pc.offset, inbox.narrow(0, off_from[size_t(s)] + pc.row, pc.rows));
+  // Rows [begin, end) of source s's block (sender order: grouped by this rank's local experts) that arrived
+  // in `rows`: each expert's part of them is multiplied into its place.
+  auto multiply_block = [&](int s, int64_t begin, int64_t end, const at::Tensor& rows) {
+    for (int64_t e = 0, first = 0; e < Er && first < end; first += from(s, e), ++e) {
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + from(s, e));
+      if (lo < hi) multiply(s, e, lo - first, rows.narrow(0, lo - begin, hi - lo));
     }
+  };
+
+  const int64_t row_bytes = std::max<int64_t>(1, h * x.element_size());
+  std::vector<int64_t> off_from(size_t(R), 0);
+  int64_t remote_rows = 0;
+  for (int s = 0; s < R; ++s)
+    if (s != me) {
+      off_from[size_t(s)] = remote_rows;
+      remote_rows += n_from[size_t(s)];
+    }
+  if (!g.is_mk()) {
+    // The backend's alltoall_base, in P steps that every rank derives from the gathered counts (so every
+    // rank issues the same collectives in the same order): step j moves piece j (chunk_range of P) of every
+    // pair's rows. All steps are issued up front; the product of step j's rows overlaps steps j+1.. .
+    int64_t max_pair = 0, moved = 0;
+    for (int s = 0; s < R; ++s)
+      for (int d = 0; d < R; ++d) {
+        if (s == d) continue;
+        int64_t n = 0;
+        for (int64_t e = 0; e < Er; ++e) n += Ca[s][d * Er + e];
+        max_pair = std::max(max_pair, n);
+        moved += n;
+      }
+    const int64_t P = std::clamp<int64_t>((max_pair * row_bytes + kPieceBytes - 1) / kPieceBytes, 1,
+                                          std::min<int64_t>(16, std::max<int64_t>(1, max_pair)));
+    p.trace(c10::str("alltoall_base path: ", moved, " rows cross ranks in ", moved ? P : 0, " steps"));
+    // Send buffer in (step, destination) order, gathered from routed in one index_select; the receive buffer
+    // in (step, source) order.
+    std::vector<int64_t> order;
+    order.reserve(size_t(std::max<int64_t>(0, t * K - n_to[size_t(me)])));
+    std::vector<std::vector<int64_t>> in_splits(size_t(P), std::vector<int64_t>(size_t(R), 0)),
+        out_splits(size_t(P), std::vector<int64_t>(size_t(R), 0)), src_off(size_t(P), std::vector<int64_t>(size_t(R), 0));
+    std::vector<int64_t> in_off(size_t(P) + 1, 0), out_off(size_t(P) + 1, 0);
+    for (int64_t j = 0; j < P; ++j) {
+      int64_t sent = 0, got = 0;
+      for (int d = 0; d < R; ++d) {
+        if (d == me) continue;
+        auto [b, e] = chunk_range(n_to[size_t(d)], P, j);
+        in_splits[size_t(j)][size_t(d)] = e - b;
+        for (int64_t r = b; r < e; ++r) order.push_back(off_to[size_t(d)] + r);
+        sent += e - b;
+        auto [bs, es] = chunk_range(n_from[size_t(d)], P, j);
+        out_splits[size_t(j)][size_t(d)] = es - bs;
+        src_off[size_t(j)][size_t(d)] = got;
+        got += es - bs;
+      }
+      in_off[size_t(j) + 1] = in_off[size_t(j)] + sent;
+      out_off[size_t(j) + 1] = out_off[size_t(j)] + got;
+    }
+    std::vector<Pending> steps;
+    at::Tensor inbox = at::empty({remote_rows, h}, x.options());
+    if (moved > 0) {
+      const at::Tensor outbox = routed.index_select(0, longs(order, x.device()));
+      p.publish(outbox);
+      for (int64_t j = 0; j < P; ++j)
+        steps.push_back(alltoall_step(p, outbox.narrow(0, in_off[size_t(j)], in_off[size_t(j) + 1] - in_off[size_t(j)]),
+                                      inbox.narrow(0, out_off[size_t(j)], out_off[size_t(j) + 1] - out_off[size_t(j)]),
+                                      out_splits[size_t(j)], in_splits[size_t(j)]));
+    }
+    multiply_block(me, 0, n_from[size_t(me)], routed.narrow(0, off_to[size_t(me)], n_from[size_t(me)]));
+    for (int64_t j = 0; j < int64_t(steps.size()); ++j) {
+      steps[size_t(j)].wait();
+      for (int s = 0; s < R; ++s) {
+        if (s == me) continue;
+        auto [b, e] = chunk_range(n_from[size_t(s)], P, j);
+        if (e > b) multiply_block(s, b, e, inbox.narrow(0, out_off[size_t(j)] + src_off[size_t(j)][size_t(s)], e - b));
+      }
+    }
+  } else {
+    // mk: straight to the transport, in pieces of about kPieceBytes that never straddle two experts, so the
+    // product of one piece overlaps the transfer of the next: receives into one buffer (a region per
+    // source), then the sends of our routed rows. Both sides enumerate a pair's pieces the same way (expert
+    // by expert, from the agreed counts and hidden size), so piece j travels in message slot j.
+    auto piece_rows = [&](int64_t pair_rows) {
+      return std::max<int64_t>({1, kPieceBytes / row_bytes, (pair_rows >> 19) + 1});  // slots stay < 2^20
+    };
+    at::Tensor inbox = at::empty({remote_rows, h}, x.options());
+    struct Piece {
+      int64_t expert, row, rows, offset;  // rows [row, row + rows) of the source's block: expert's rows from offset
+      Pending pending;
+    };
+    std::vector<std::vector<Piece>> incoming(static_cast<size_t>(R));
+    std::vector<Pending> outgoing;
+    for (int i = 1; i < R; ++i) {
+      const int s = (me - i + R) % R;
+      const int64_t step = piece_rows(n_from[size_t(s)]);
+      uint32_t slot = 0;
+      for (int64_t e = 0, row = 0; e < Er; row += from(s, e), ++e)
+        for (int64_t o = 0; o < from(s, e); o += step) {
+          const int64_t m = std::min(step, from(s, e) - o);
+          incoming[size_t(s)].push_back(
+              {e, row + o, m, o, p.recv(inbox.narrow(0, off_from[size_t(s)] + row + o, m), s, slot++)});
+        }
+    }
+    for (int i = 1; i < R; ++i) {
+      const int d = (me + i) % R;
+      const int64_t step = piece_rows(n_to[size_t(d)]);
+      uint32_t slot = 0;
+      for (int64_t e = 0, row = 0; e < Er; row += Ca[me][d * Er + e], ++e)
+        for (int64_t o = 0; o < Ca[me][d * Er + e]; o += step) {
+          const int64_t m = std::min(step, Ca[me][d * Er + e] - o);
+          outgoing.push_back(p.send(routed.narrow(0, off_to[size_t(d)] + row + o, m), d, slot++));
+        }
+    }
+    // Our own rows first (no transfer), then every piece as it arrives, nearest sources first.
+    multiply_block(me, 0, n_from[size_t(me)], routed.narrow(0, off_to[size_t(me)], n_from[size_t(me)]));
+    for (int i = 1; i < R; ++i) {
+      const int s = (me - i + R) % R;
+      for (Piece& pc : incoming[size_t(s)]) {
+        pc.pending.wait();
+        multiply(s, pc.expert, pc.offset, inbox.narrow(0, off_from[size_t(s)] + pc.row, pc.rows));
+      }
+    }
+    for (auto& o : outgoing) o.wait();
   }
-  for (auto& o : outgoing) o.wait();
 
   std::vector<int64_t> head = {kMagic, R, me, Er, t, K, n_recv, h};
-  at::Tensor handle = at::cat({longs(head), C.narrow(1, me * Er, Er).reshape({-1}), counts, perm});
-  return {y, longs(col), handle};
+  at::Tensor handle = at::cat({longs(head, x.device()), C.narrow(1, me * Er, Er).reshape({-1}), counts, perm});
+  return {y, longs(col, x.device()), handle};
 }
 
 // The routing a handle describes (after checking it belongs to this group and rank).
@@ -215,7 +300,7 @@ std::string parse_handle(const at::Tensor& handle, int R, int me, Routing& out) 
   if (handle.dim() != 1 || handle.scalar_type() != at::kLong || handle.numel() < kHeader)
     return c10::str("handle must be the int64 routing tensor moe_dispatch_gemm returned; got ", handle.scalar_type(),
                     " ", handle.sizes());
-  const at::Tensor hd = handle.contiguous();
+  const at::Tensor hd = handle.to(at::kCPU).contiguous();  // read on the host (a copy on an accelerator)
   const int64_t* p = hd.data_ptr<int64_t>();
   if (p[0] != kMagic) return "handle is not a moe_dispatch_gemm routing handle";
   if (p[1] != R || p[2] != me)
@@ -236,7 +321,6 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
                        c10::string_view group_name) {
   const char* op = "moe_combine";
   const Group g = resolve_group(std::string(group_name), y.device(), op);
-  check_backend(g, y, op);
   Pipeline p(g, op);
   const int R = p.size(), me = p.rank();
   Routing rt{};
@@ -290,7 +374,37 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
       remote_rows += n_home[size_t(d)];
     }
   at::Tensor inbox = at::empty({remote_rows, f}, y.options());
+  // Every (token, choice) comes back exactly once, so every row of acc is written: no need to zero it.
+  at::Tensor acc = at::empty({t * K, f}, y.options().dtype(at::kFloat));
+  const at::Tensor wflat = topk_weights.reshape({-1}).to(y.device(), at::kFloat);
+  const at::Tensor perm = rt.perm.to(y.device());
+  auto place = [&](int d, const at::Tensor& block) {
+    if (block.size(0) == 0) return;
+    const at::Tensor idx = perm.narrow(0, off_home[size_t(d)], n_home[size_t(d)]);
+    acc.index_copy_(0, idx, block.to(at::kFloat) * wflat.index_select(0, idx).unsqueeze(1));  // never in place: y is the caller's
+  };
   std::vector<Pending> rx(static_cast<size_t>(R)), tx(static_cast<size_t>(R));
+  if (!g.is_mk()) {
+    // One alltoall_base (see alltoall_step) that every rank issues, whatever its counts: a rank cannot know
+    // from its handle whether the others move rows. Our own rows are weighted while it is in flight.
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> in_splits(size_t(R), 0), out_splits(size_t(R), 0);
+    for (int s = 0; s < R; ++s) {
+      if (s == me) continue;
+      in_splits[size_t(s)] = n_back[size_t(s)];
+      out_splits[size_t(s)] = n_home[size_t(s)];
+      if (n_back[size_t(s)]) parts.push_back(rows_for(s));
+    }
+    const at::Tensor outbox = parts.empty() ? at::empty({0, f}, y.options()) : at::cat(parts);
+    p.publish(outbox);
+    p.trace(c10::str("alltoall_base path: ", outbox.size(0), " rows out, ", remote_rows, " rows in"));
+    Pending back = alltoall_step(p, outbox, inbox, out_splits, in_splits);
+    place(me, rows_for(me));
+    back.wait();
+    for (int d = 0; d < R; ++d)
+      if (d != me) place(d, inbox.narrow(0, off_in[size_t(d)], n_home[size_t(d)]));
+    return acc.view({t, K, f}).sum(1).to(y.scalar_type());
+  }
   for (int i = 1; i < R; ++i) {
     const int d = (me + i) % R;  // the ranks our rows went to send them back
     if (n_home[size_t(d)]) rx[size_t(d)] = p.recv(inbox.narrow(0, off_in[size_t(d)], n_home[size_t(d)]), d, 0);
@@ -299,15 +413,6 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     const int s = (me - i + R) % R;
     if (n_back[size_t(s)]) tx[size_t(s)] = p.send(rows_for(s), s, 0);
   }
-
-  // Every (token, choice) comes back exactly once, so every row of acc is written: no need to zero it.
-  at::Tensor acc = at::empty({t * K, f}, y.options().dtype(at::kFloat));
-  const at::Tensor wflat = topk_weights.reshape({-1}).to(at::kFloat);
-  auto place = [&](int d, const at::Tensor& block) {
-    if (block.size(0) == 0) return;
-    const at::Tensor idx = rt.perm.narrow(0, off_home[size_t(d)], n_home[size_t(d)]);
-    acc.index_copy_(0, idx, block.to(at::kFloat) * wflat.index_select(0, idx).unsqueeze(1));  // never in place: y is the caller's
-  };
   place(me, rows_for(me));
   for (int i = 1; i < R; ++i) {
     const int d = (me + i) % R;

@@ -391,6 +391,42 @@ Pending Pipeline::p2p(const at::Tensor& t, int peer, uint32_t slot, bool is_recv
   return backend_work(std::move(work), what.c_str(), peer, {t});
 }
 
+bool Pipeline::exchange_supported() const {
+  return g_.is_mk() || g_.device.is_cpu() || g_.backend->supportsCoalescing();
+}
+
+std::vector<Pending> Pipeline::exchange(const at::Tensor& out, int to, const at::Tensor& in, int from, uint32_t slot) {
+  std::vector<Pending> done;
+  if (g_.is_mk() || !g_.backend->supportsCoalescing()) {
+    done.push_back(send(out, to, slot));
+    done.push_back(recv(in, from, slot));
+    return done;
+  }
+  TORCH_CHECK(out.is_contiguous() && in.is_contiguous(), "mk ", op_, ": rank ", g_.rank,
+              ": exchange buffers must be contiguous");
+  TORCH_CHECK(slot < (1u << 20), "mk ", op_, ": slot ", slot, " out of range");
+  const std::string what = cat("mk ", op_, ": batched send to peer ", to, " + recv from peer ", from, " (message ", slot, ")");
+  // The works of the individual calls inside a coalesced group are not the group's completion (nccl returns
+  // none); endCoalescing's work is, and waiting on it orders the caller's stream after the whole group.
+  std::vector<at::Tensor> o{out}, i{in};
+  const int tag = (1 << 30) | int((seq_ & 0x3ff) << 20) | int(slot);
+  g_.backend->startCoalescing();
+  try {
+    g_.backend->send(o, to, tag);
+    g_.backend->recv(i, from, tag);
+  } catch (...) {
+    try {
+      g_.backend->endCoalescing();  // leave the backend out of coalescing mode; the error is the first one
+    } catch (...) {
+    }
+    throw;
+  }
+  auto work = g_.backend->endCoalescing();
+  TORCH_CHECK(work, what, ": the ", g_.backend_name(), " backend returned no work for the coalesced group");
+  done.push_back(backend_work(std::move(work), what.c_str(), to, {out, in}));
+  return done;
+}
+
 Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* what, int peer,
                                std::vector<at::Tensor> keep) {
   auto st = std::make_shared<Pending::State>();

@@ -118,10 +118,22 @@ class Pipeline {
   // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.
   // On mk: straight to the transport, completed by its progress threads (rings: post every recv up front).
   // On other backends: c10d send/recv (Gloo: fine for rings; NCCL: unbatched p2p calls are serialised on one
-  // stream, so a ring where every rank sends before it receives deadlocks there; use the collectives below
-  // on non-mk backends, as allgather_gemm does). Their waits block in c10d's Work::wait (group timeout).
+  // stream, so a ring where every rank sends before it receives deadlocks there; use exchange() or the
+  // collectives below on non-mk backends). Their waits block in c10d's Work::wait (group timeout).
   Pending send(const at::Tensor& t, int peer, uint32_t slot);
   Pending recv(const at::Tensor& t, int peer, uint32_t slot);
+
+  // One ring step: send `out` to peer `to` and receive `in` from peer `from` (message `slot`; contiguous,
+  // untouched until waited; wait every returned Pending). On mk: two transport requests. On other backends
+  // that support coalescing (nccl), the send and the receive are issued as one batched group
+  // (Backend::startCoalescing / endCoalescing, as torch's batch_isend_irecv does), so a ring where every
+  // rank sends before it receives cannot deadlock on a stream that serialises p2p calls; every rank must
+  // call exchange() the same number of times in the same order (a collective-like sequence). Elsewhere
+  // (gloo) the backend's send and recv, as send()/recv().
+  std::vector<Pending> exchange(const at::Tensor& out, int to, const at::Tensor& in, int from, uint32_t slot);
+  // Whether exchange() is safe here: mk, a CPU device, or a backend that coalesces p2p (otherwise an
+  // accelerator backend's unbatched p2p could deadlock).
+  bool exchange_supported() const;
 
   // Collectives (sum) on contiguous (sub-)tensors, run in issue order, asynchronously.
   Pending allreduce(const at::Tensor& t);

@@ -107,11 +107,12 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
                                                   c10::string_view group_name, bool causal, std::optional<double> scale,
                                                   bool zigzag) {
   const Group grp = resolve_group(std::string(group_name), q.device(), kOp);
-  TORCH_CHECK(grp.is_mk() || q.device().is_cpu(), "mk ", kOp, ": rank ", grp.rank, ": on ", q.device(),
-              " with the ", grp.backend_name(), " backend this op is not supported yet (its ring of unbatched "
-              "send/recv would deadlock NCCL); use CPU tensors (mk or gloo)");
   Pipeline p(grp, kOp);
   const int R = p.size(), me = p.rank();
+  // Same verdict on every rank (same backend and device type everywhere), so no rank waits for another.
+  TORCH_CHECK(p.exchange_supported(), "mk ", kOp, ": rank ", me, ": on ", q.device(), " the ", grp.backend_name(),
+              " backend cannot batch point-to-point calls (Backend::supportsCoalescing() is false), and its "
+              "unbatched ring of send/recv could deadlock on a stream-ordered device; use mk, nccl, or CPU tensors");
 
   // Every rank checks its own arguments and every rank's description, so a bad or mismatched call fails on
   // every rank at the same point, before any data moves.
@@ -155,10 +156,10 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   const int right = (me + 1) % R, left = (me - 1 + R) % R;
   for (int step = 0; step < R; ++step) {
     const int src = (me - step + R) % R;
-    Pending sent, received;
+    std::vector<Pending> moving;  // this step's send to the right and receive from the left
     if (step + 1 < R && s > 0) {
-      sent = p.send(cur, right, uint32_t(step));
-      received = p.recv(nxt, left, uint32_t(step));
+      p.publish(cur);
+      moving = p.exchange(cur, right, nxt, left, uint32_t(step));
     }
     const auto their_chunks = chunks_of(src, R, s, zigzag);
     at::Tensor kb, vb, kx, vx;
@@ -187,9 +188,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
         merge(part.first, part.second, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
       }
     }
-    if (sent.valid()) {
-      sent.wait();
-      received.wait();
+    if (!moving.empty()) {
+      for (Pending& m : moving) m.wait();
       std::swap(cur, nxt);
     }
   }

@@ -29,6 +29,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 1, 1, 1, 4), (2, 4, 2, 5, 8), (1, 6, 2, 7, 16), (2, 3, 1, 13, 5), (1, 4, 4, 6, 8), (1, 2, 1, 10, 3)]
 
 rank = world = 0
+device = torch.device("cpu")  # where the op runs (nccl_suite.py sets cuda); references stay on the CPU
 failures: dict[str, list[str]] = defaultdict(list)
 
 
@@ -71,8 +72,9 @@ def check_case(shape: tuple, dtype: torch.dtype, causal: bool, zigzag: bool, sca
     n = world * s
     q, k, v = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64).to(dtype) for h in (hq, hkv, hkv))
     pos = positions(rank, s, zigzag)
-    out, lse = ring_attention(q[:, :, pos].contiguous(), k[:, :, pos].contiguous(), v[:, :, pos].contiguous(),
+    out, lse = ring_attention(*(t[:, :, pos].contiguous().to(device) for t in (q, k, v)),
                               causal=causal, scale=scale, zigzag=zigzag)
+    out, lse = out.cpu(), lse.cpu()
     want_out, want_lse = reference(q.double(), k.double(), v.double(), causal, scale)
     if out.dtype != dtype or lse.dtype != torch.float32:
         failures["attention"].append(f"{name}: dtypes {out.dtype}, {lse.dtype}")

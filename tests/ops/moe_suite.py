@@ -39,6 +39,7 @@ CASES = {
 }
 
 rank = world = 0
+device = torch.device("cpu")  # where the op runs (nccl_suite.py sets cuda); references stay on the CPU
 failures: dict[str, list[str]] = defaultdict(list)
 
 
@@ -98,9 +99,10 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> str:
 
 def check_case(case: str, dtype: torch.dtype) -> None:
     name = f"{case} {dtype}"
-    x, ids, tw, w = inputs(case, rank, dtype)
+    x, ids, tw, w = (t.to(device) for t in inputs(case, rank, dtype))
     y, counts, handle = moe_dispatch_gemm(x, ids, w)
     out = moe_combine(y, handle, tw)
+    y, counts, out = y.cpu(), counts.cpu(), out.cpu()
     want_y, want_counts, want_out = reference(case, dtype)
     if y.dtype != dtype or out.dtype != dtype or counts.dtype != torch.int64:
         failures["dispatch"].append(f"{name}: dtypes y {y.dtype}, out {out.dtype}, counts {counts.dtype}")

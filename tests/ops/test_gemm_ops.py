@@ -71,12 +71,6 @@ def test_compile_fullgraph(world: int) -> None:
     assert all(rep["timings"].get("compile", 0) > 0 for rep in reports(world, transport))
 
 
-def test_cuda_path() -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device on this machine: the NCCL/stream path of the pipeline is compiled but untested")
-
-
 @pytest.mark.parametrize("mode", ["timeout", "cancel"])
 def test_waits_end_by_timeout_or_interrupt(mode: str) -> None:
     """A rank whose peer never calls the op gets an error naming the op: after the group timeout (2 s), or at

@@ -1,5 +1,7 @@
 """mk.ring_attention against float64 scaled_dot_product_attention over the whole sequence
-(attention_suite.py) for world sizes 1-4, over shared memory and TCP (SUPERKERNEL_TRANSPORT), and on Gloo (the backend's own send/recv).
+(attention_suite.py) for world sizes 1-4, over shared memory and TCP (SUPERKERNEL_TRANSPORT), and on Gloo
+for 2-4 ranks (the backend's own send/recv: Gloo cannot coalesce p2p; NCCL's coalesced ring steps are
+covered by test_nccl_ops.py, on hosts with 2 GPUs).
 Each world is started once and runs every case; the per-family results are asserted by separate tests so a
 failure names the family, world and transport. opcheck runs in the 2-rank shm world."""
 from __future__ import annotations
@@ -8,7 +10,7 @@ import pytest
 
 from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
 
-WORLDS = MK_WORLDS + [(3, "gloo")]
+WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
 FAMILIES = ["attention", "errors", "opcheck"]
 worlds = WorldCache("attention_suite.py", timeout=240)
 
