@@ -3,11 +3,10 @@ rank, keys(prefix), delete and reuse of space, a full pool's error (nothing evic
 dtype, and the error cases. Each world runs every case once (store_suite.py); each test asserts one case."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from tests.netns.hosts import TwoHosts, run_torch_job, unavailable_reason
+from tests.netns.hosts import TwoHosts, rank_reports, route_problems, run_torch_job, unavailable_reason
 from tests.transport.world import HERE as TRANSPORT_DIR, run_world
 
 SUITE = str((TRANSPORT_DIR.parent / "memory" / "store_suite.py").resolve())
@@ -46,19 +45,11 @@ def test_two_hosts_every_case() -> None:
     with TwoHosts() as hosts:
         results = run_torch_job(hosts, SUITE, [str(16 << 20)], nproc_per_host=2, timeout=240,
                                 env={"SUPERKERNEL_TRANSPORT": "auto", "SUPERKERNEL_FRONTEND": "0"})
-    reps = []
-    for res in results:
-        found = [json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("REPORT ")]
-        assert len(found) == 2, (f"host {res.host} exit {res.returncode} timed_out={res.timed_out}\n"
-                                 f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-        reps.extend(found)
+    reps = rank_reports(results, per_host=2)
     problems = []
     for rep in reps:
         r = rep["rank"]
-        for peer, t in enumerate(rep["transports"]):
-            want = "self" if peer == r else ("shm" if peer // 2 == r // 2 else "tcp")
-            if t != want:
-                problems.append(f"rank {r} reaches rank {peer} over {t}, expected {want}")
+        problems += route_problems(rep, per_host=2)
         assert set(rep["cases"]) == set(CASES)
         problems += [f"rank {r} {case}: {f}" for case, fs in rep["failures"].items() for f in fs]
     assert not problems, "\n".join(problems[:20])

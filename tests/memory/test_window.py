@@ -3,12 +3,11 @@ Each world runs tests/memory/window_suite.py once; each family's result is asser
 failure names the family, world size and transport."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.netns.hosts import TwoHosts, run_torch_job, unavailable_reason
+from tests.netns.hosts import TwoHosts, rank_reports, route_problems, run_torch_job, unavailable_reason
 from tests.transport.world import run_world
 
 SUITE = str(Path(__file__).resolve().parent / "window_suite.py")
@@ -60,18 +59,10 @@ def test_two_hosts_every_family() -> None:
     with TwoHosts() as hosts:
         results = run_torch_job(hosts, SUITE, [], nproc_per_host=2, timeout=300,
                                 env={"SUPERKERNEL_TRANSPORT": "auto", "SUPERKERNEL_FRONTEND": "0"})
-    reps = []
-    for res in results:
-        found = [json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("REPORT ")]
-        assert len(found) == 2, (f"host {res.host} exit {res.returncode} timed_out={res.timed_out}\n"
-                                 f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-        reps.extend(found)
+    reps = rank_reports(results, per_host=2)
     problems = []
     for rep in reps:
         r = rep["rank"]
-        for peer, t in enumerate(rep["transports"]):
-            want = "self" if peer == r else ("shm" if peer // 2 == r // 2 else "tcp")
-            if t != want:
-                problems.append(f"rank {r} reaches rank {peer} over {t}, expected {want}")
+        problems += route_problems(rep, per_host=2)
         problems += [f"rank {r} {fam}: {f}" for fam, fs in rep["failures"].items() for f in fs]
     assert not problems, "\n".join(problems[:20])

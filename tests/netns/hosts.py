@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import os
 import re
 import shutil
@@ -447,3 +448,27 @@ def _close_all() -> None:
             hosts.close()
         except Exception as e:  # noqa: BLE001 - report, keep cleaning the others
             print(f"netns cleanup: {e}", file=sys.stderr)
+
+
+def rank_reports(results: Sequence[ProcResult], per_host: int) -> list[dict]:
+    """The JSON objects of the 'REPORT ' lines of a two-host job (one per rank); fails with the host's output
+    when a host did not print ``per_host`` of them."""
+    reps: list[dict] = []
+    for res in results:
+        found = [json.loads(line[len("REPORT "):]) for line in res.stdout.splitlines() if line.startswith("REPORT ")]
+        assert len(found) == per_host, (f"host {res.host} exit {res.returncode} timed_out={res.timed_out}\n"
+                                        f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+        reps.extend(found)
+    return reps
+
+
+def route_problems(rep: dict, per_host: int) -> list[str]:
+    """Where a rank's reported ``transports`` differ from the two-host layout: shm to the ranks of its own
+    host, tcp to the other host's."""
+    r = rep["rank"]
+    problems = []
+    for peer, t in enumerate(rep["transports"]):
+        want = "self" if peer == r else ("shm" if peer // per_host == r // per_host else "tcp")
+        if t != want:
+            problems.append(f"rank {r} reaches rank {peer} over {t}, expected {want}")
+    return problems

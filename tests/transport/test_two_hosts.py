@@ -2,11 +2,10 @@
 ranks talk over shared memory, between the hosts over TCP, and every collective is correct."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from tests.netns.hosts import TwoHosts, run_torch_job, unavailable_reason
+from tests.netns.hosts import TwoHosts, rank_reports, route_problems, run_torch_job, unavailable_reason
 from tests.transport.world import HERE
 
 REASON = unavailable_reason()
@@ -20,21 +19,14 @@ def reports() -> list[dict]:
         with TwoHosts() as hosts:
             results = run_torch_job(hosts, str(HERE / "collective_suite.py"), ["--large"], nproc_per_host=2,
                                     timeout=900, env={"SUPERKERNEL_TRANSPORT": "auto", "SUPERKERNEL_FRONTEND": "0"})
-        for res in results:
-            found = [json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("REPORT ")]
-            assert len(found) == 2, (f"host {res.host} exit {res.returncode} timed_out={res.timed_out}\n"
-                                     f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-            _reports.extend(found)
+        _reports.extend(rank_reports(results, per_host=2))
     return _reports
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"two namespace hosts unavailable: {REASON}")
 def test_shm_inside_hosts_tcp_between() -> None:
-    for rep in reports():
-        r = rep["rank"]
-        for peer, t in enumerate(rep["transports"]):
-            want = "self" if peer == r else ("shm" if peer // 2 == r // 2 else "tcp")
-            assert t == want, f"rank {r} reaches rank {peer} over {t}, expected {want}"
+    problems = [p for rep in reports() for p in route_problems(rep, per_host=2)]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"two namespace hosts unavailable: {REASON}")
