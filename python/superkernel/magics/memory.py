@@ -12,7 +12,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 
 
 def format_usage(name: str, rows: list[Any], hosts: list[str] | None = None) -> str:
-    from superkernel.memory.tensor_store import human
+    from superkernel.byte_sizes import format_bytes as human
 
     cols = ["rank", "host", "capacity", "used", "free", "used %", "objects", "largest free"]
     cells = []

@@ -40,18 +40,11 @@ class ProbeMagics(Magics):
             args = _parser().parse_args(shlex.split(line))
         except (argparse.ArgumentError, SystemExit) as e:
             raise ValueError(f"%probe: {e or 'usage: %probe [--quick] [--max-bytes 4M] [--no-tables]'}") from e
-        from superkernel.probe.command import parse_size
-        from superkernel.probe.run import ProbeOptions, run_probe
+        from superkernel.probe.command import probe_options
+        from superkernel.probe.run import run_probe
         from superkernel.probe.verdict import format_report
 
-        opts = ProbeOptions.quick() if args.quick else ProbeOptions()
-        opts.launcher = "superkernel pool"
-        if args.max_bytes:
-            opts.max_bytes = parse_size(args.max_bytes)
-        if args.time is not None:
-            opts.budget = args.time
-        opts.one_sided = not args.no_one_sided
-        report = run_probe(None, opts)
+        report = run_probe(None, probe_options(args, "superkernel pool"))
         if report is None:
             return
         ns["probe_report"] = report

@@ -83,6 +83,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from superkernel.byte_sizes import format_bytes, parse_bytes
+
 ALIGN = 4096
 DEFAULT_CAPACITY = 256 << 20
 # allocator window layout (int64 elements)
@@ -150,23 +152,6 @@ class RankUsage:
 
 def _round_up(n: int) -> int:
     return (max(n, 1) + ALIGN - 1) // ALIGN * ALIGN
-
-
-def parse_bytes(value: int | str) -> int:
-    """``1073741824``, ``"1GiB"``, ``"512 MiB"``, ``"64M"``, ``"1.5G"`` -> bytes (binary units)."""
-    if isinstance(value, int):
-        return value
-    t = value.strip().upper().replace(" ", "").removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult != 1 else t) * mult)
-
-
-def human(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            v = n / (1 << shift)
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def live_stores() -> list["TensorStore"]:
@@ -411,8 +396,8 @@ class TensorStore:
 
     def __repr__(self) -> str:
         total = sum(self.capacities)
-        return (f"TensorStore({self.name!r}, {self.world_size} ranks x {human(self.capacities[0])}"
-                f"{'' if len(set(self.capacities)) == 1 else ' (uneven)'}, {human(total)} in total)")
+        return (f"TensorStore({self.name!r}, {self.world_size} ranks x {format_bytes(self.capacities[0])}"
+                f"{'' if len(set(self.capacities)) == 1 else ' (uneven)'}, {format_bytes(total)} in total)")
 
     # ----------------------------------------------------------------------------------------- records
     def _read(self, key: str) -> str:
@@ -596,12 +581,12 @@ class TensorStore:
                 continue
             largest = max(largest, max(self._state(r)[1][1::2], default=0))
         caps = set(self.capacities)
-        pool = (f"{self.world_size} ranks × {human(self.capacities[0])} capacity" if len(caps) == 1
-                else f"{self.world_size} ranks, {human(sum(self.capacities))} capacity in total")
+        pool = (f"{self.world_size} ranks × {format_bytes(self.capacities[0])} capacity" if len(caps) == 1
+                else f"{self.world_size} ranks, {format_bytes(sum(self.capacities))} capacity in total")
         if only is not None:
             pool = f"rank {only} of {pool}"
-        raise TensorStoreFull(f"TensorStore full: {pool}, {human(largest)} free at most on one rank, "
-                              f"cannot place {human(need)}")
+        raise TensorStoreFull(f"TensorStore full: {pool}, {format_bytes(largest)} free at most on one rank, "
+                              f"cannot place {format_bytes(need)}")
 
     def _free(self, rank: int, offset: int, length: int, objects: int) -> int:
         """Return [offset, offset+length) to ``rank``'s free extents, coalescing with its neighbours.

@@ -14,6 +14,12 @@ import argparse
 import os
 import subprocess
 import sys
+from typing import TYPE_CHECKING
+
+from superkernel.byte_sizes import parse_bytes
+
+if TYPE_CHECKING:
+    from superkernel.probe.run import ProbeOptions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="mk", help="torch.distributed backend to probe (default mk)")
 
 
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult != 1 else t) * mult)
+def probe_options(args: argparse.Namespace, launcher: str) -> "ProbeOptions":
+    """The probe's options from the flags ``superkernel probe`` and ``%probe`` share."""
+    from superkernel.probe.run import ProbeOptions
+
+    opts = ProbeOptions.quick() if args.quick else ProbeOptions()
+    opts.launcher = launcher
+    if args.max_bytes:
+        opts.max_bytes = parse_bytes(args.max_bytes)
+    if args.time is not None:
+        opts.budget = args.time
+    opts.one_sided = not args.no_one_sided
+    return opts
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
@@ -78,18 +92,11 @@ def run_in_job(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from superkernel.probe import job
-    from superkernel.probe.run import ProbeOptions, run_probe
+    from superkernel.probe.run import run_probe
     from superkernel.probe.verdict import format_report
 
     kind = job.join(args.backend)
-    opts = ProbeOptions.quick() if args.quick else ProbeOptions()
-    opts.launcher = kind
-    if args.max_bytes:
-        opts.max_bytes = parse_size(args.max_bytes)
-    if args.time is not None:
-        opts.budget = args.time
-    opts.one_sided = not args.no_one_sided
-    report = run_probe(None, opts)
+    report = run_probe(None, probe_options(args, kind))
     if report is not None:
         print(format_report(report, tables=not args.no_tables), flush=True)
         if args.plot:

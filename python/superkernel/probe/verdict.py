@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from superkernel.byte_sizes import format_bytes
 from superkernel.probe.measure import PROVIDER_NAMES, Series
 from superkernel.probe.report import ProbeReport
 
@@ -20,14 +21,6 @@ OSU_TITLES = {
     "get_bw": "OSU MPI_Get Bandwidth Test (one-sided, superkernel Window)",
     "allreduce": "OSU MPI Allreduce Latency Test (+ bus bandwidth, nccl-tests factor)",
 }
-
-
-def human_bytes(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            v = n / (1 << shift)
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def gbps(mbps: float) -> str:
@@ -44,12 +37,12 @@ def format_hardware(report: ProbeReport) -> str:
     for h in report.hosts:
         ranks = report.ranks_per_host.get(h.host, [])
         lines.append(f"{h.host}: ranks {_ranks(ranks)} ({len(ranks)} on this host), {h.cpus} CPUs, "
-                     f"{human_bytes(h.memory_bytes)} RAM")
-        numa = ", ".join(f"node{n.node} cpus {n.cpus or '-'} {human_bytes(n.memory_bytes)}"
+                     f"{format_bytes(h.memory_bytes)} RAM")
+        numa = ", ".join(f"node{n.node} cpus {n.cpus or '-'} {format_bytes(n.memory_bytes)}"
                          + (" (memory only)" if n.memory_only else "") for n in h.numa)
         lines.append(f"  NUMA: {len(h.numa)} node(s): {numa or 'not reported'}")
         if h.gpus:
-            lines.append("  GPUs: " + "; ".join(f"{g.index}: {g.name} {human_bytes(g.memory_bytes)}" for g in h.gpus))
+            lines.append("  GPUs: " + "; ".join(f"{g.index}: {g.name} {format_bytes(g.memory_bytes)}" for g in h.gpus))
             if h.gpu_topology:
                 lines.append("  peer links (nvidia-smi topo -m):")
                 lines += ["    " + t for t in h.gpu_topology.splitlines()]
@@ -79,7 +72,7 @@ def _rdma(h) -> str:  # noqa: ANN001 - HostHardware
 
 def _cxl(h) -> str:  # noqa: ANN001 - HostHardware
     mem_only = [n for n in h.numa if n.memory_only]
-    extra = (f"; memory-only NUMA node(s) {', '.join(f'node{n.node} {human_bytes(n.memory_bytes)}' for n in mem_only)}"
+    extra = (f"; memory-only NUMA node(s) {', '.join(f'node{n.node} {format_bytes(n.memory_bytes)}' for n in mem_only)}"
              if mem_only else "; no memory-only NUMA node")
     if not h.cxl:
         return f"not present ({h.cxl_source}{extra})"
@@ -128,7 +121,7 @@ def _route_row(report: ProbeReport, scope: str) -> VerdictRow | None:
             one.append(f"{test} {gbps(max(b.bandwidth_MBps))}, {micro(lt.latency_us[0])}")
     return VerdictRow(scope, f"{PROVIDER_NAMES.get(prov, prov)} (mk {prov})" if report.backend == "mk"
                       else PROVIDER_NAMES.get(prov, prov),
-                      f"{micro(lat.latency_us[0])} ({human_bytes(lat.sizes[0])})",
+                      f"{micro(lat.latency_us[0])} ({format_bytes(lat.sizes[0])})",
                       f"{gbps(peak)} (peak)" if peak else "-", "; ".join(one) or "not measured")
 
 
@@ -161,7 +154,7 @@ def verdict_rows(report: ProbeReport) -> list[VerdictRow]:
     ar = report.find("allreduce")
     if ar and ar.sizes:
         rows.append(VerdictRow("allreduce", f"{report.world_size} ranks, {report.backend}",
-                               f"{micro(ar.latency_us[0])} ({human_bytes(ar.sizes[0])})",
+                               f"{micro(ar.latency_us[0])} ({format_bytes(ar.sizes[0])})",
                                f"{gbps(max(ar.bandwidth_MBps))} busbw", "-"))
     if report.memcpy_GBps:
         rows.append(VerdictRow("memcpy", "one core, rank 0 (shm ceiling)", "-", f"{report.memcpy_GBps:.2f} GB/s",
