@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import superkernel  # noqa: F401  (registers "mk")
 from superkernel.memory import TensorStore
-from superkernel.memory.tensor_store import TensorStoreFull
+from superkernel.memory.tensor_store import ALIGN, TensorStoreFull
 
 ALIGN = 4096
 KiB, MiB = 1 << 10, 1 << 20
@@ -313,6 +313,26 @@ def case_errors(store: TensorStore) -> None:
     expect(ValueError, lambda: store.put("e/x", torch.zeros(1), rank=world), "rank out of range")
     check(c, store.exists(f"e/{rank}") and not store.exists("e/x"), "state after errors")
     expect(ValueError, lambda: store.get(f"e/nc{rank}", out=torch.zeros(5, 4).t().t()), "out shape", "(5, 4)")
+    # a writer that never finishes (its extent's version stays odd): get gives up after the timeout, naming
+    # the extent, instead of spinning forever; once the version is even again the value is served
+    dist.barrier()
+    owner, _ = store.locate("e/0")
+    rec = store._known.get("e/0").rec if rank == 0 else None
+    if rank == 0:
+        word = store._versions + rec.offset // ALIGN
+        v = int(store._meta.compare_swap(owner, word, -1, -1))   # read: -1 is never a version
+        check(c, v % 2 == 0 and int(store._meta.compare_swap(owner, word, v, v + 1)) == v, "could not stall e/0")
+    dist.barrier()
+    saved, store.timeout = store.timeout, 0.3
+    t0 = time.monotonic()
+    expect(TimeoutError, lambda: store.get("e/0"), "get of a value whose writer stalls", "did not finish")
+    check(c, 0.25 < time.monotonic() - t0 < 5, f"the stalled get took {time.monotonic() - t0:.2f} s (timeout 0.3 s)")
+    store.timeout = saved
+    dist.barrier()
+    if rank == 0:
+        store._meta.compare_swap(owner, word, v + 1, v + 2)
+    dist.barrier()
+    check(c, torch.equal(store.get("e/0"), torch.zeros(4, 5)), "e/0 after its writer finished")
     dist.barrier()
 
 

@@ -57,7 +57,8 @@ Design (everything below is what the code does; the tests check it):
   the record was last seen current: every put or delete that replaces a record frees that record's
   extent before it returns, so an unchanged counter proves that no completed operation replaced the key.
   Otherwise (or on any change) the slow path above. ``put``/``delete`` likewise first try ``compare_set``
-  against the record this process last saw.
+  against the record this process last saw. A get that keeps finding the key changing, or a version that
+  stays odd, gives up after ``timeout`` with a TimeoutError naming the extent.
 * Ordering. Operations on one key are sequentially consistent: every process sees one order of the puts
   and deletes of a key, and each process sees its own operations in program order. A put in place that
   runs while another process's replacing put is between publishing its record and returning is ordered
@@ -286,7 +287,9 @@ class TensorStore:
                         known.version = v
                         return dst
         text = self._read(key)
-        for _ in range(1000):
+        deadline = time.monotonic() + self.timeout
+        pause = 10e-6
+        while True:
             if not text:
                 self._known.pop(key, None)
                 raise KeyError(key)
@@ -305,10 +308,14 @@ class TensorStore:
             if again == text and whole:
                 self._remember(key, text, rec, frees, version)
                 return dst
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TensorStore.get({key!r}): rank {self.rank} could not read a whole value within "
+                                   f"{self.timeout:g} s: the key kept changing, or a put writing rank {rec.rank}'s "
+                                   f"extent at byte {rec.offset} did not finish")
             if again == text:
-                time.sleep(20e-6)   # a put in place is writing: let it finish
+                time.sleep(pause)   # a put in place is writing: let it finish
+                pause = min(1e-3, pause * 2)
             text = again     # overwritten or deleted while we copied: the extent may have been reused
-        raise RuntimeError(f"TensorStore.get({key!r}): the key kept changing while it was read (1000 attempts)")
 
     def delete(self, key: str) -> None:
         """Remove ``key`` and free its space. KeyError when it does not exist."""
@@ -522,7 +529,7 @@ class TensorStore:
     def _version(self, rank: int, offset: int) -> int:
         """The version word of the extent starting at byte ``offset`` of ``rank`` (odd: a put in place)."""
         self._meta.get(rank, self._versions + offset // ALIGN, self._scratch)
-        return int(self._scratch[0])
+        return self._scratch.item()
 
     def _retire(self, rank: int, offset: int) -> None:
         """(Under ``rank``'s allocator lock) advance the version of the extent at ``offset`` by 2, waiting
@@ -541,7 +548,7 @@ class TensorStore:
     def _frees(self, rank: int) -> int:
         """How many frees ``rank``'s allocator has done (a seqlock-style generation for get's fast path)."""
         self._meta.get(rank, FREES, self._scratch)
-        return int(self._scratch[0])
+        return self._scratch.item()
 
     def _allocate(self, need: int, only: int | None = None) -> tuple[int, int]:
         """(rank, offset) of ``need`` free bytes, placed by free capacity (see the module docstring), or on
