@@ -37,6 +37,7 @@ import os
 import secrets
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -268,6 +269,14 @@ def store_side(sizes: list[int], args: argparse.Namespace, rank: int, n: int) ->
     store = TensorStore(capacity_per_rank=2 * max(sizes) + (16 << 20))
     rows: list[dict[str, Any]] = []
     if rank == 0:
+        # what a put of a new key cannot avoid: one compare_set round trip to the job's c10d Store
+        trips = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            store._store.compare_set("bench/round-trip", "", "x")
+            trips.append(time.perf_counter() - t0)
+        args.store_round_trip_us = {"median": statistics.median(trips) * 1e6, "min": min(trips) * 1e6,
+                                    "p90": statistics.quantiles(trips, n=10)[-1] * 1e6}
         redis = RedisServer()
         try:
             for size in sizes:
@@ -359,6 +368,10 @@ def format_store(doc: dict[str, Any]) -> str:
                      f"{_x(r['store_get_GBps'], r['redis_get_GBps']):>8}{flag}")
         if flag:
             lines.append(f"# ! {format_size(r['bytes'])}: {r['check']}")
+    rt = meta.get("store_round_trip_us")
+    if rt:
+        lines.append(f"# a new key costs one c10d Store compare_set round trip: {rt['median']:.1f} us median "
+                     f"(min {rt['min']:.1f}, p90 {rt['p90']:.1f}) in this run; an overwrite or a get needs none")
     return "\n".join(lines)
 
 
@@ -507,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["meta"]["store_reason"] = why
         doc["meta"]["store_rank"] = 1
         doc["meta"]["redis_version"] = getattr(args, "redis_version", None)
+        doc["meta"]["store_round_trip_us"] = getattr(args, "store_round_trip_us", None)
     if rank == 0:
         print(f"# Open MPI: {doc['meta'].get('mpi', 'skipped')}", flush=True)
         print("\n" + format_one_sided(doc), flush=True)
