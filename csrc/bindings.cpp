@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "transport/copy.h"
 #include "transport/deadline.h"
 #include "transport/host.h"
 #include "transport/process_group.h"
@@ -450,6 +451,22 @@ PYBIND11_MODULE(_C, m) {
         "Make every mk wait in this process fail at once with 'cancelled by an interrupt' (the group is aborted).");
 
   m.def("host_identity", &mk::host_identity, "The identity mk uses to decide which ranks share memory.");
+
+  m.def(
+      "copy_bytes",
+      [](const at::Tensor& dst, const at::Tensor& src) {
+        TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() && src.is_contiguous(),
+                    "mk copy_bytes: dst and src must be contiguous CPU tensors");
+        const size_t n = size_t(src.numel()) * src.element_size();
+        TORCH_CHECK(size_t(dst.numel()) * dst.element_size() == n, "mk copy_bytes: dst holds ",
+                    dst.numel() * dst.element_size(), " bytes, src ", n);
+        py::gil_scoped_release nogil;
+        mk::copy_bytes(dst.data_ptr(), src.data_ptr(), n);
+      },
+      py::arg("dst"), py::arg("src"),
+      "Copy src's bytes into dst the way windows copy to and from mapped memory (bench/window_copy.py).");
+  m.def("copy_method", &mk::copy_method, py::arg("nbytes"),
+        "How copy_bytes copies that many bytes: 'memcpy', 'pieces' or 'stream'.");
 
   m.def(
       "transports",

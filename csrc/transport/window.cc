@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "transport/copy.h"
 #include "transport/futex.h"
 
 namespace mk {
@@ -281,7 +282,7 @@ RequestPtr Window::put(int target, size_t offset, const void* src, size_t count,
   if (notify != kNoNotify && notify >= kNotifyTags)
     throw RangeError(cat("mk window #", id_, " put: notify tag ", notify, " is out of range (0 <= tag < ", kNotifyTags, ")"));
   if (char* b = base_[size_t(target)]) {
-    if (count) std::memcpy(b + offset * esize_, src, count * esize_);
+    copy_bytes(b + offset * esize_, src, count * esize_);
     if (notify != kNoNotify) notify_at(mapped_[size_t(target)]->header(), notify);
     return nullptr;
   }
@@ -293,7 +294,7 @@ RequestPtr Window::put(int target, size_t offset, const void* src, size_t count,
 RequestPtr Window::get(int target, size_t offset, void* dst, size_t count) {
   check(target, offset, count, "get");
   if (char* b = base_[size_t(target)]) {
-    if (count) std::memcpy(dst, b + offset * esize_, count * esize_);
+    copy_bytes(dst, b + offset * esize_, count * esize_);
     return nullptr;
   }
   RequestPtr r = remote_[size_t(target)]->get(target, id_, offset * esize_, dst, count * esize_);
