@@ -45,10 +45,16 @@ RequestPtr Comm::irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t c
 }
 
 void Comm::wait(const RequestPtr& r, const Deadline& d, const char* op, int peer) {
+  progress_while_pending(*r, peer);
   r->wait(d, [&] {
     return peer == kAnySource ? cat("mk ", op, ": rank ", rank_, " (any source)")
                               : cat("mk ", op, ": rank ", rank_, ", peer ", peer);
   });
+}
+
+void Comm::progress_while_pending(const Request& r, int peer) {
+  if (!r.test() && shm_ && peer >= 0 && peer < size_ && route_[size_t(peer)] == shm_.get())
+    shm_->progress_while_pending(r, peer);
 }
 
 void Comm::abort(const std::string& why) {

@@ -54,6 +54,9 @@ class Comm {
   RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t check);
   // Wait for a request; errors name this rank, the op and the peer.
   void wait(const RequestPtr& r, const Deadline& d, const char* op, int peer);
+  // Before sleeping on request `r` with `peer`: over shm, drain and push that peer's traffic on this thread
+  // for a few tens of microseconds (ShmProvider::progress_while_pending); nothing for other routes.
+  void progress_while_pending(const Request& r, int peer);
 
   // Collective sequence number (same on every rank as long as they call the same collectives).
   uint64_t next_seq() { return seq_++; }

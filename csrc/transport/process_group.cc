@@ -575,6 +575,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::p2p(c10d::OpType type, const char
   RequestPtr req = sending ? comm_->isend(peer, uint64_t(tag), buf.data_ptr(), nbytes(buf), 0)
                            : comm_->irecv(peer, uint64_t(tag), buf.data_ptr(), nbytes(buf), 0);
   const int me = rank_;
+  if (peer != kAnySource) {
+    Comm* comm = comm_.get();
+    work->before_wait([comm, weak = std::weak_ptr<Request>(req), peer] {
+      if (auto r = weak.lock()) comm->progress_while_pending(*r, peer);
+    });
+  }
   if (!sending) {
     Comm* comm = comm_.get();
     work->on_timeout([comm, req, me, peer, tag] {

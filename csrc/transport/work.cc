@@ -27,6 +27,7 @@ bool WorkMK::wait(std::chrono::milliseconds timeout) {
   const uint64_t gen = cancel_generation().load();
   const auto start = std::chrono::steady_clock::now();
   if (timeout == kNoTimeout) timeout = default_timeout_;
+  if (before_wait_ && !isCompleted()) before_wait_();
   std::unique_lock<std::mutex> lock(mutex_);
   while (!completed_) {
     cv_.wait_for(lock, std::chrono::milliseconds(20));

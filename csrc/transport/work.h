@@ -23,6 +23,8 @@ class WorkMK : public c10d::Work {
 
   // Called when wait() gives up, before it throws (a recv withdraws its posted buffer).
   void on_timeout(std::function<void()> fn) { on_timeout_ = std::move(fn); }
+  // Called once by wait() before it sleeps (point-to-point: the waiting thread makes progress itself).
+  void before_wait(std::function<void()> fn) { before_wait_ = std::move(fn); }
 
   // Mark done (eptr null) or failed; completes the future. Called once.
   void complete(std::exception_ptr eptr, int source_rank = -1);
@@ -33,6 +35,7 @@ class WorkMK : public c10d::Work {
   int source_rank_ = -1;
   std::chrono::milliseconds default_timeout_;
   std::function<void()> on_timeout_;
+  std::function<void()> before_wait_;
 };
 
 }  // namespace mk

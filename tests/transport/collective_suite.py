@@ -240,6 +240,19 @@ def run(large: bool) -> None:
                     q.wait()
                 if m := same(y, gen(prv, f"p2p{tag}", n, torch.float32), torch.float32):
                     return f"ring n={n} tag={tag}: {m}"
+        # a burst of messages in flight, smaller and larger than the 1 MiB shm ring, waited for in reverse order:
+        # waiting threads drain the rings themselves while the progress thread does too
+        sizes = [(i * 97_531) % 700_000 + (i % 3) * 250_000 for i in range(24)]
+        ys = [torch.empty(n) for n in sizes]
+        reqs = []
+        for i, n in enumerate(sizes):
+            reqs += [dist.isend(gen(rank, f"burst{i}", n, torch.float32), nxt, tag=100 + i),
+                     dist.irecv(ys[i], prv, tag=100 + i)]
+        for q in reversed(reqs):
+            q.wait()
+        for i, n in enumerate(sizes):
+            if m := same(ys[i], gen(prv, f"burst{i}", n, torch.float32), torch.float32):
+                return f"burst message {i} ({n} floats): {m}"
         # tags keep two messages apart even when received in the other order
         if rank == 0:
             dist.send(torch.full((4,), 1.0), 1, tag=1)

@@ -169,6 +169,7 @@ struct ShmProvider::Outgoing {
 };
 
 struct InState {
+  std::mutex mu;  // one drainer at a time: the progress thread or a waiting thread (try_lock, never blocks)
   MsgHeader hdr{};
   size_t hdr_got = 0;
   ArrivalPtr cur;
@@ -390,7 +391,20 @@ bool ShmProvider::pump_sends(int j) {
   return moved;
 }
 
+void ShmProvider::progress_while_pending(const Request& r, int peer) {
+  const int j = int(std::find(locals_.begin(), locals_.end(), peer) - locals_.begin());
+  if (j >= local_size() || j == me_) return;
+  const auto until = Clock::now() + spin_;
+  for (int i = 1; !r.test(); ++i) {
+    if (!alive_[size_t(j)].load() || aborted_.load()) return;
+    if (!drain_ring(j) && !pump_sends(j)) cpu_relax();
+    if ((i & 15) == 0 && Clock::now() >= until) return;
+  }
+}
+
 bool ShmProvider::drain_ring(int j) {
+  std::unique_lock<std::mutex> drainer(in_[j]->mu, std::try_to_lock);
+  if (!drainer.owns_lock()) return false;  // another thread is draining this ring right now
   RingHeader* rh = own_->ring_header(j);
   char* data = own_->ring_data(j);
   const size_t cap = opt_.ring;

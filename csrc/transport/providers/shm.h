@@ -45,6 +45,11 @@ class ShmProvider final : public Provider {
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check) override;
   void abort(const std::string& why) override;
   bool peer_alive(int peer) const override;
+  // A thread about to sleep on request `r` of point-to-point traffic with `peer` makes progress itself for
+  // up to the spin time: it drains that peer's ring and pushes our queued sends to it, so a message that
+  // arrives meanwhile completes without waking the progress thread (on a VM a wake-up costs tens of
+  // microseconds). Returns when `r` finished or the spin time is over; never blocks on another thread.
+  void progress_while_pending(const Request& r, int peer);
 
   // ---- the collectives' view (called by one thread at a time: the group's worker) ----
   int local_rank() const { return me_; }
