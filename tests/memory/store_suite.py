@@ -140,11 +140,36 @@ def case_keys_delete_reuse(store: TensorStore, c: str = "keys_delete_reuse") -> 
             check(c, False, "get of a deleted key did not raise KeyError")
         except KeyError:
             pass
-        store.put("a/2", torch.arange(3))   # re-put after delete: listed once
+        counting = _CountingStore(store._store)
+        store._store = counting
+        try:
+            store.put("a/2", torch.arange(3))   # re-put after delete: listed once
+        finally:
+            store._store = counting.inner
+        # the first guess is the tombstone this process wrote: one record round trip, not two
+        check(c, counting.calls.get("compare_set") == 1, f"re-put after this rank's delete: {counting.calls}")
     dist.barrier()
     check(c, store.keys("a/") == ["a/1", "a/2", "a/sub/3"], f"after delete+put keys('a/') = {store.keys('a/')}")
     check(c, same(store.get("a/2"), torch.arange(3)), "a/2 after re-put differs")
     dist.barrier()
+
+
+class _CountingStore:
+    """A c10d Store that counts the calls made through it."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+        return counted
 
 
 class _StoreWithoutListing:

@@ -210,6 +210,8 @@ class TensorStore:
         self._tokens = itertools.count()
         # key -> what this process last saw of it (hints; every use is checked): see _Known
         self._known: dict[str, _Known] = {}
+        # key -> the tombstone this process wrote when it deleted the key (the first guess of a later put)
+        self._gone: dict[str, str] = {}
         self._scratch = torch.empty(1, dtype=torch.int64)
         self._instance = uuid.uuid4().hex[:8]
         self.freed = False
@@ -321,8 +323,12 @@ class TensorStore:
         """Remove ``key`` and free its space. KeyError when it does not exist."""
         self._check_open()
         _check_key(key)
-        old = self._publish(key, f"{_TOMBSTONE}{self._token()}")
+        tomb = f"{_TOMBSTONE}{self._token()}"
+        old = self._publish(key, tomb)
         self._known.pop(key, None)
+        if len(self._gone) > 100_000:
+            self._gone.clear()
+        self._gone[key] = tomb
         if not old:
             raise KeyError(key)
         o = Record.decode(old)
@@ -443,9 +449,10 @@ class TensorStore:
     def _publish(self, key: str, value: str) -> str:
         """Replace the record of ``key`` with ``value`` (unique) atomically; returns the live record it
         replaced ("" if the key was missing or deleted).
-        The first guess of the current record is the one this process last saw (one round trip when right)."""
+        The first guess of the current record is the one this process last saw, or the tombstone it wrote
+        when it deleted the key (one round trip when right)."""
         known = self._known.get(key)
-        expected = known.text if known is not None else ""
+        expected = known.text if known is not None else self._gone.pop(key, "")
         for _ in range(10000):
             got = self._store.compare_set("k/" + key, expected, value).decode()
             if got == value:
