@@ -7,7 +7,9 @@
 //       and the fake kernel do not depend on a flag's value).
 //   mk::gemm_allreduce(a, b, group_name, chunks=0) -> c
 //       c = sum_r a_r @ b_r, [m, n] on every rank. Row chunks: chunk i's partial product is allreduced while
-//       chunk i+1 is multiplied (mk: ProcessGroupMK's allreduce issued from the group's lane thread).
+//       chunk i+1 is multiplied (mk: ProcessGroupMK's allreduce issued from the group's lane thread). On mk
+//       across hosts (tcp) with R dividing m: the reduce-scatter ring below, then the reduced blocks ring on
+//       to every rank, each chunk as soon as it is final.
 //   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
 //       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk a ring of partial sums over the
 //       transport (see ring_reducescatter). On other backends each chunk takes the same rows from every
@@ -62,8 +64,10 @@ int64_t agree_chunks(Pipeline& p, const at::Tensor& a, const char* k_name, bool 
   fields.push_back({"chunks", proposal, false});
   const int64_t C = p.agree(std::move(fields), err)[0].back();
   p.use_chunks(C);
+  std::string more;
+  for (const auto& f : extra) more += c10::str(" ", f.name, "=", f.value);
   p.trace(c10::str("m=", m, " ", k_name, "=", k, " n=", n, " ", a.scalar_type(), " chunks=", C, " (proposed ",
-                   proposal, ")"));
+                   proposal, ")", more));
   return C;
 }
 
@@ -73,8 +77,13 @@ int64_t agree_chunks(Pipeline& p, const at::Tensor& a, const char* k_name, bool 
 // The products of a part are computed before its receive is waited for, so the transfer of part i overlaps
 // the products of part i+1 (and the next step's). Running sums are in the accumulation type (fp32 for half
 // types). All receives are posted up front into distinct buffers.
+// With `all` (gemm_allreduce): `out` is rows [r*mb, (r+1)*mb) of *all, and the reduced blocks then travel the
+// same ring once more (an allgather into the other blocks of *all): each chunk of this rank's block is sent
+// on the moment it is final, so that transfer overlaps the products still to come; ranks beyond the next
+// forward what they receive after the last product (R > 2).
 void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& out, int64_t mb,
-                        const std::vector<std::pair<int64_t, int64_t>>& ranges, at::ScalarType acc_t) {
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, at::ScalarType acc_t,
+                        const at::Tensor* all = nullptr) {
   const int R = p.size(), r = p.rank();
   const int next = (r + 1) % R, prev = (r - 1 + R) % R;
   const int64_t n = b.size(1), C = int64_t(ranges.size());
@@ -88,6 +97,17 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, a
     for (int64_t i = 0; i < C; ++i) {
       auto [lo, hi] = ranges[size_t(i)];
       recvs.push_back(p.recv(incoming.select(0, s - 1).narrow(0, lo, hi - lo), prev, uint32_t((s - 1) * C + i)));
+    }
+  // allgather step t brings block (r - t - 1) mod R from prev (message slots after the reduce-scatter's)
+  const uint32_t ag = uint32_t(R * C);
+  std::vector<Pending> ag_recvs;
+  if (all)
+    for (int t = 0; t + 1 < R; ++t) {
+      const int64_t blk = ((r - t - 1) % R + R) % R;
+      for (int64_t i = 0; i < C; ++i) {
+        auto [lo, hi] = ranges[size_t(i)];
+        ag_recvs.push_back(p.recv(all->narrow(0, blk * mb + lo, hi - lo), prev, ag + uint32_t(t * C + i)));
+      }
     }
   std::vector<Pending> sends;
   for (int s = 0; s < R; ++s) {
@@ -113,8 +133,20 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, a
         sends.push_back(p.send(sum, next, uint32_t(s * C + i)));
       } else {
         prod.add_(sum);
+        if (all) sends.push_back(p.send(prod, next, ag + uint32_t(i)));
       }
     }
+  }
+  if (all) {
+    for (int t = 1; t + 1 < R; ++t) {
+      const int64_t blk = ((r - t) % R + R) % R;  // received at step t - 1, passed on now
+      for (int64_t i = 0; i < C; ++i) {
+        auto [lo, hi] = ranges[size_t(i)];
+        ag_recvs[size_t((t - 1) * C + i)].wait();
+        sends.push_back(p.send(all->narrow(0, blk * mb + lo, hi - lo), next, ag + uint32_t(t * C + i)));
+      }
+    }
+    for (auto& x : ag_recvs) x.wait();
   }
   for (auto& x : sends) x.wait();
 }
@@ -219,8 +251,14 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   ChunkModel model;
   model.comm_bytes = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
-  model.max_chunks = std::max<int64_t>(1, m);
-  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err);
+  // Over tcp, when R divides m: a ring straight over the transport (reduce-scatter of partial sums, then
+  // allgather of the reduced blocks, see ring_reducescatter), so the link never waits for a collective to be
+  // issued and finished per chunk; elsewhere each chunk's allreduce is a collective.
+  const int R = g.size;
+  const bool ring = err.empty() && R > 1 && m > 0 && m % R == 0 && g.is_mk() && p.over_tcp();
+  if (ring) model.max_chunks = std::max<int64_t>(1, m / R);
+  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err,
+                                 {{"ring", int64_t(ring), true}});
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
@@ -228,6 +266,17 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
   if (g.size == 1) {
     at::mm_out(acc, half ? a.to(acc_t) : a, b);
+    return half ? acc.to(a_in.scalar_type()) : acc;
+  }
+  if (ring) {
+    const int64_t mb = m / R;
+    std::vector<std::pair<int64_t, int64_t>> blocks;
+    for (int64_t i = 0; i < C; ++i) {
+      auto rg = chunk_range(mb, C, i);
+      if (rg.second > rg.first) blocks.push_back(rg);
+    }
+    at::Tensor mine = acc.narrow(0, int64_t(g.rank) * mb, mb);
+    ring_reducescatter(p, a, b, mine, mb, blocks, acc_t, &acc);
     return half ? acc.to(a_in.scalar_type()) : acc;
   }
   std::vector<std::pair<int64_t, int64_t>> ranges;

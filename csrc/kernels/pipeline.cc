@@ -307,9 +307,7 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
     bw = s.bw;
     lat = s.latency;
   }
-  bool tcp = !g_.is_mk();
-  if (g_.is_mk())
-    for (int p = 0; p < g_.size; ++p) tcp = tcp || std::string(g_.comm().transport_of(p)) == "tcp";
+  const bool tcp = over_tcp();
   if (bw <= 0) bw = !g_.device.is_cpu() ? 2e10 : tcp ? 1e9 : 4e9;
   if (lat <= 0) lat = !g_.device.is_cpu() ? 2e-5 : tcp ? 6e-5 : 1.5e-5;
   const double t_comm = model.comm_bytes / bw;
@@ -338,6 +336,13 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   for (size_t i = 1; i < t.candidates.size(); ++i)
     if (t.best_seconds[i] < t.best_seconds[best]) best = i;
   return t.candidates[best];
+}
+
+bool Pipeline::over_tcp() const {
+  if (!g_.is_mk()) return true;
+  for (int q = 0; q < g_.size; ++q)
+    if (std::string(g_.comm().transport_of(q)) == "tcp") return true;
+  return false;
 }
 
 void Pipeline::use_chunks(int64_t agreed) { chunks_used_ = agreed; }

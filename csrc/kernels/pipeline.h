@@ -98,6 +98,9 @@ class Pipeline {
   const char* op() const { return op_; }
   int rank() const { return g_.rank; }
   int size() const { return g_.size; }
+  // True when some rank of the group is reached over tcp, or the group is not mk (whose backends are
+  // assumed to cross a network): the same on every rank of a group that spans hosts.
+  bool over_tcp() const;
   // Sequence number of this op call on this group (the same on every rank; part of agree()'s descriptor).
   uint64_t seq() const { return seq_; }
 

@@ -115,6 +115,9 @@ def run_ops(large: bool) -> None:
             name = f"m=7 k=5 n=6 {dtype} chunks={chunks}"
             check("allgather_gemm", name + " gathered", lambda: allgather_gemm_case(7, 5, 6, dtype, chunks, True))
             check("gemm_allreduce", name, lambda: gemm_allreduce_case(7, 5, 6, dtype, chunks))
+            # R divides m: over tcp the ring path (chunks beyond m / R leave some empty)
+            check("gemm_allreduce", f"m={7 * world} k=5 n=6 {dtype} chunks={chunks}",
+                  lambda: gemm_allreduce_case(7 * world, 5, 6, dtype, chunks))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks))
     # empty results: m = 0, and k = 0 on rank 0 (k sharded unevenly)
     check("empty", "allgather_gemm m=0", lambda: allgather_gemm_case(0, 4, 3, torch.float32, 0, True))

@@ -15,10 +15,12 @@ MK_WORLDS = [(1, "auto"), (2, "shm"), (2, "tcp"), (3, "shm"), (3, "tcp"), (4, "s
 class WorldCache:
     """Runs ``script`` (in tests/ops) with ``args(world, transport)`` once per (world, transport)."""
 
-    def __init__(self, script: str, timeout: float = 300, gloo_env: dict[str, str] | None = None) -> None:
+    def __init__(self, script: str, timeout: float = 300, gloo_env: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.script = str(HERE / script)
         self.timeout = timeout
         self.gloo_env = gloo_env or {}  # extra environment of the gloo worlds (e.g. SUPERKERNEL_OPS_TRACE)
+        self.env = env or {}            # extra environment of every world
         self._results: dict[tuple[int, str, tuple[str, ...]], list[RankResult]] = {}
 
     def results(self, world: int, transport: str, args: list[str]) -> list[RankResult]:
@@ -26,7 +28,7 @@ class WorldCache:
         key = (world, transport, tuple(args))
         if key not in self._results:
             extra = ["--backend", "gloo"] if transport == "gloo" else []
-            env = dict(self.gloo_env) if transport == "gloo" else {"SUPERKERNEL_TRANSPORT": transport}
+            env = {**self.env, **(self.gloo_env if transport == "gloo" else {"SUPERKERNEL_TRANSPORT": transport})}
             self._results[key] = run_world(world, self.script, [*args, *extra], timeout=self.timeout, env=env)
         return self._results[key]
 

@@ -4,13 +4,15 @@ rank; torch.library.opcheck in a 1-rank and a 2-rank world; a torch.compile(full
 the fake kernels. One world start per configuration (tests/ops/gemm_suite.py runs every case)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.ops.ops_world import HERE, MK_WORLDS, WorldCache, failures_of
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty"]
-_worlds = WorldCache("gemm_suite.py", timeout=300)
+_worlds = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
 
 
 def args_for(world: int, transport: str) -> list[str]:
@@ -86,3 +88,20 @@ def test_waits_end_by_timeout_or_interrupt(mode: str) -> None:
     else:
         assert "cancel" in rep["error"].lower(), rep["error"]
         assert rep["seconds"] <= 10, rep
+
+
+MULTI = [(w, t) for w, t in MK_WORLDS if w > 1]
+
+
+@pytest.mark.parametrize("world,transport", MULTI, ids=[f"{w}ranks-{t}" for w, t in MULTI])
+def test_gemm_allreduce_path(world: int, transport: str) -> None:
+    """Over tcp, gemm_allreduce with R dividing m runs the ring straight over the transport (reduce-scatter
+    then allgather of the reduced blocks); otherwise, and over shm, each chunk's allreduce is a collective.
+    The op's trace (SUPERKERNEL_OPS_TRACE) shows the agreed path of every call."""
+    seen = {True: 0, False: 0}
+    for res in _worlds.results(world, transport, args_for(world, transport)):
+        for m, ring in re.findall(r"\[mk gemm_allreduce rank \d+ call \d+\] m=(\d+) .* ring=(\d)", res.stderr):
+            want = transport == "tcp" and int(m) > 0 and int(m) % world == 0
+            assert (ring == "1") == want, f"rank {res.rank}: m={m} over {transport}: ring={ring}"
+            seen[want] += 1
+    assert seen[False] > 0 and (transport != "tcp" or seen[True] > 0), seen
