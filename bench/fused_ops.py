@@ -67,12 +67,15 @@ TUNING_CALLS = 8   # 4 candidate chunk counts, each timed twice
 
 
 def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
-            torch: Any, chunks: int = 0) -> tuple[dict[str, float], int]:
+            torch: Any, chunks: int = 0, settle: float = 0.0) -> tuple[dict[str, float], int]:
     """Median per-call seconds of each variant and the iteration count (the same on every rank).
 
     The variants are interleaved (one call of each per round), so drifting load from other processes on this
     shared VM hits them alike. Every call starts after a barrier; a call's time is the maximum over ranks;
-    the median over rounds, not the mean, since other processes add a long tail to some calls."""
+    the median over rounds, not the mean, since other processes add a long tail to some calls. ``settle``
+    seconds of idle link (untimed) precede every call: over a ``tc tbf`` link the shaper's token bucket then
+    refills, so each variant starts from the same link state (without it, the variant that follows an idle
+    one gets a burst the others do not)."""
     for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
         fn()
     if "fused" in fns and chunks == 0:
@@ -89,6 +92,8 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     times = torch.zeros(len(fns), iters, dtype=torch.float64)
     for i in range(iters):
         for j, fn in enumerate(fns.values()):
+            if settle > 0:
+                time.sleep(settle)
             _barrier(dist)
             t0 = time.perf_counter()
             fn()
@@ -156,6 +161,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--chunks", type=int, default=0, help="chunk count for the fused ops (0 = automatic)")
     ap.add_argument("--time", type=float, default=1.0, help="seconds of timed calls per variant of a case")
+    ap.add_argument("--settle-ms", type=float, default=0.0,
+                    help="idle link before every timed call (bench/netns.py sets it on shaped links)")
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--out-dir", default=str(HERE / "results"))
@@ -188,7 +195,7 @@ def main() -> int:
                 continue
             row: dict[str, Any] = {"family": fam, "op": case.op, "shape": case.shape, "note": case.note, **case.extra}
             secs, iters = measure({k: getattr(case, k) for k in KINDS}, args.time, args.min_iters, args.max_iters,
-                                  dist, torch, args.chunks)
+                                  dist, torch, args.chunks, args.settle_ms / 1e3)
             row.update({f"{k}_ms": v * 1e3 for k, v in secs.items()})
             row["iters"] = iters
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
@@ -197,7 +204,7 @@ def main() -> int:
                 print(f"  measured {case.op} {case.shape}: fused {row['fused_ms']:.3f} ms, unfused "
                       f"{row['unfused_ms']:.3f} ms, ideal {row['ideal_ms']:.3f} ms", flush=True)
     doc = {"meta": {"world_size": launch.world_size, "backend": args.backend, "dtype": args.dtype,
-                    "chunks": args.chunks, "hosts_desc": hosts_desc, "launcher": launch.launcher,
+                    "chunks": args.chunks, "settle_ms": args.settle_ms, "hosts_desc": hosts_desc, "launcher": launch.launcher,
                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "host": sorted(hosts), "load": os.getloadavg(), "families": families,
                     "torch": torch.__version__, "time_per_measurement_s": args.time},

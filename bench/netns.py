@@ -45,6 +45,9 @@ TwoHosts, run_torch_job, unavailable_reason = hosts_mod.TwoHosts, hosts_mod.run_
 DEFAULT_ARGS = ["--max-bytes", "16M", "--factor", "4", "--time", "0.2"]
 
 
+SETTLE_MS = 10.0
+
+
 def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path, timeout: float,
              script: str = "collectives.py") -> Path | None:
     label = rate or "none"
@@ -53,6 +56,10 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
     args = [*bench_args, "--out-dir", str(out_dir), "--tag", tag, "--hosts-desc", desc]
     if script == "collectives.py":
         args += ["--backends", "mk,gloo"]
+    if script == "fused_ops.py" and rate and "--settle-ms" not in bench_args:
+        # the tbf bucket (4 ms of traffic, tests/netns/hosts.py) refills before every timed call, so the
+        # fused op, the unfused one and the communication alone all start from a full bucket
+        args += ["--settle-ms", str(SETTLE_MS)]
     print(f"\n######## {desc}", flush=True)
     with TwoHosts(rate=rate) as hosts:
         results = run_torch_job(hosts, str(HERE / script), args, nproc_per_host=nproc, timeout=timeout)

@@ -19,6 +19,7 @@
 
 #include "transport/comm.h"
 #include "transport/deadline.h"
+#include "transport/host.h"
 #include "transport/error.h"
 #include "transport/process_group.h"
 
@@ -231,7 +232,10 @@ void Pending::wait() {
 // (small collectives run on the calling thread) never blocks the compute thread.
 class Lane {
  public:
-  Lane() : thread_([this] { loop(); }) {}
+  Lane() : thread_([this] {
+    name_this_thread("mk-ops-lane");
+    loop();
+  }) {}
   ~Lane() {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -3,9 +3,11 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -57,6 +59,12 @@ std::string listen_address(bool loopback_only) {
 int online_cpus() {
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? int(n) : 1;
+}
+
+void name_this_thread(const char* name) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%s", name);
+  (void)pthread_setname_np(pthread_self(), buf);  // fails only for names over 15 characters (truncated above)
 }
 
 }  // namespace mk

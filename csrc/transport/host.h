@@ -15,4 +15,7 @@ std::string listen_address(bool loopback_only);
 // Online CPUs (for deciding how long to spin before sleeping).
 int online_cpus();
 
+// Name the calling thread (at most 15 characters; shown by top -H, gdb, py-spy). Best effort.
+void name_this_thread(const char* name);
+
 }  // namespace mk

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "transport/bootstrap.h"
+#include "transport/host.h"
 #include "transport/collectives/collectives.h"
 #include "transport/error.h"
 
@@ -123,7 +124,10 @@ ProcessGroupMK::ProcessGroupMK(const c10::intrusive_ptr<c10d::Store>& store, int
   }
   const char* inl = std::getenv("SUPERKERNEL_INLINE_BYTES");
   inline_bytes_ = inl && *inl ? size_t(std::strtoull(inl, nullptr, 10)) : size_t(256) << 10;
-  worker_ = std::thread([this] { worker_loop(); });
+  worker_ = std::thread([this] {
+    name_this_thread("mk-worker");
+    worker_loop();
+  });
 }
 
 ProcessGroupMK::~ProcessGroupMK() { shutdown(); }

@@ -290,6 +290,21 @@ def run(large: bool) -> None:
     check("send_recv", "all", p2p)
 
     def misc():
+        # mk's threads carry names (top -H, gdb, py-spy): the group's worker, and a progress thread per
+        # provider this rank uses (shm for peers on this host, tcp for the others)
+        import glob
+        names = set()
+        for path in glob.glob("/proc/self/task/*/comm"):
+            try:
+                names.add(open(path).read().strip())
+            except OSError:
+                pass  # the thread ended meanwhile
+        want = {"mk-worker"}
+        from superkernel.backend import transports
+        routes = set(transports()) - {"self"}
+        want |= {f"mk-{t}-progress" for t in routes}
+        if not want <= names:
+            return f"thread names: missing {sorted(want - names)} (have {sorted(n for n in names if n.startswith('mk'))})"
         # non-contiguous tensors in collectives
         t = gen(rank, "nc", 60, torch.float32).view(6, 10).t()
         dist.all_reduce(t)

@@ -217,7 +217,10 @@ void ShmProvider::attach(const std::vector<std::string>& descriptors, const Dead
     pidfds_[j] = pidfd_open(peers_[j]->pid());
   }
   (void)deadline;
-  progress_ = std::thread([this] { progress_loop(); });
+  progress_ = std::thread([this] {
+    name_this_thread("mk-shm-progress");
+    progress_loop();
+  });
 }
 
 char* ShmProvider::slot(int r, int s) const { return (r == me_ ? own_.get() : peers_[r].get())->slot(s); }

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "transport/error.h"
+#include "transport/host.h"
 
 namespace mk {
 namespace {
@@ -238,7 +239,10 @@ TcpProvider::TcpProvider(int rank, int world, const std::vector<int>& peers, con
       e.data.ptr = c.get();
       MK_SYSCHECK(epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &e), "mk tcp: epoll_ctl(add)");
     }
-  progress_ = std::thread([this] { progress_loop(); });
+  progress_ = std::thread([this] {
+    name_this_thread("mk-tcp-progress");
+    progress_loop();
+  });
 }
 
 TcpProvider::~TcpProvider() {
