@@ -12,9 +12,10 @@
 //       to every rank, each chunk as soon as it is final.
 //   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
 //       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk a ring of partial sums over the
-//       transport (see ring_reducescatter). On other backends each chunk takes the same rows from every
-//       rank's block, so its reduce-scatter leaves this rank's rows of that chunk; the reduce-scatter of
-//       chunk i overlaps the products of chunk i+1.
+//       transport (see ring_reducescatter), except on one host for blocks of 1 MiB and more. There, and on
+//       other backends, each chunk takes the same rows from every rank's block, so its reduce-scatter (an mk
+//       collective, or the backend's) leaves this rank's rows of that chunk; the reduce-scatter of chunk i
+//       overlaps the products of chunk i+1.
 // Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
 // are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically.
 #include <ATen/ops/empty.h>
@@ -324,7 +325,14 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, mb);
-  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err);
+  // mk: the ring of partial sums over the transport, across hosts and for small blocks; on one host, once a
+  // rank's block of partial sums reaches kCollectiveBlockBytes, each chunk's reduce-scatter is an mk
+  // collective instead (measured on 2 ranks: 1024x1024x1024 0.79-0.90x of unfused as a ring, 0.99-1.01x as
+  // collectives; at 256x256x256 the ring's lower latency wins, 0.80-0.90x against 0.67x).
+  constexpr double kCollectiveBlockBytes = 1 << 20;
+  const bool ring = g.is_mk() && R > 1 &&
+                    (p.over_tcp() || double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t) < kCollectiveBlockBytes);
+  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err, {{"ring", int64_t(ring), true}});
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
@@ -339,12 +347,13 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     auto rg = chunk_range(mb, C, i);
     if (rg.second > rg.first) ranges.push_back(rg);
   }
-  if (g.is_mk()) {
+  if (ring) {
     ring_reducescatter(p, a, b, acc_out, mb, ranges, acc_t);
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
-  // Other backends: one staging buffer per chunk, [R, rows_i, n], block j = rows of rank j's block (the
-  // reduce-scatter input); the backend's reduce_scatter of chunk i overlaps the products of chunk i+1.
+  // Other backends, and mk on one host for large blocks: one staging buffer per chunk, [R, rows_i, n], block
+  // j = rows of rank j's block (the reduce-scatter input); the reduce_scatter of chunk i overlaps the
+  // products of chunk i+1.
   std::vector<at::Tensor> stage(ranges.size());
   p.overlap(
       int64_t(ranges.size()),

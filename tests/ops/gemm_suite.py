@@ -119,6 +119,11 @@ def run_ops(large: bool) -> None:
             check("gemm_allreduce", f"m={7 * world} k=5 n=6 {dtype} chunks={chunks}",
                   lambda: gemm_allreduce_case(7 * world, 5, 6, dtype, chunks))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks))
+    # gemm_reducescatter with 1 MiB blocks of fp32 partial sums: on one host the mk collective path
+    for dtype in DTYPES:
+        chunks = rnd.choice(CHUNKS)
+        check("gemm_reducescatter", f"mb=256 k=5 n=1024 {dtype} chunks={chunks}",
+              lambda: gemm_reducescatter_case(256, 5, 1024, dtype, chunks))
     # empty results: m = 0, and k = 0 on rank 0 (k sharded unevenly)
     check("empty", "allgather_gemm m=0", lambda: allgather_gemm_case(0, 4, 3, torch.float32, 0, True))
     check("empty", "gemm_allreduce m=0", lambda: gemm_allreduce_case(0, 4, 3, torch.float32, 0))

@@ -94,14 +94,24 @@ MULTI = [(w, t) for w, t in MK_WORLDS if w > 1]
 
 
 @pytest.mark.parametrize("world,transport", MULTI, ids=[f"{w}ranks-{t}" for w, t in MULTI])
-def test_gemm_allreduce_path(world: int, transport: str) -> None:
-    """Over tcp, gemm_allreduce with R dividing m runs the ring straight over the transport (reduce-scatter
-    then allgather of the reduced blocks); otherwise, and over shm, each chunk's allreduce is a collective.
-    The op's trace (SUPERKERNEL_OPS_TRACE) shows the agreed path of every call."""
-    seen = {True: 0, False: 0}
+def test_ring_paths(world: int, transport: str) -> None:
+    """Rings straight over the transport: gemm_allreduce over tcp when R divides m (reduce-scatter, then
+    allgather of the reduced blocks); gemm_reducescatter over tcp, and over shm while a rank's block of fp32
+    partial sums is under 1 MiB. Otherwise each chunk's collective is an mk collective. The op trace
+    (SUPERKERNEL_OPS_TRACE) shows the agreed path of every call."""
+    seen: dict[tuple[str, bool], int] = {}
     for res in _worlds.results(world, transport, args_for(world, transport)):
-        for m, ring in re.findall(r"\[mk gemm_allreduce rank \d+ call \d+\] m=(\d+) .* ring=(\d)", res.stderr):
-            want = transport == "tcp" and int(m) > 0 and int(m) % world == 0
-            assert (ring == "1") == want, f"rank {res.rank}: m={m} over {transport}: ring={ring}"
-            seen[want] += 1
-    assert seen[False] > 0 and (transport != "tcp" or seen[True] > 0), seen
+        for op, m, n, ring in re.findall(r"\[mk (gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(\d+) "
+                                         r"k_r=\d+ n=(\d+) .* ring=(\d)", res.stderr):
+            if op == "gemm_allreduce":
+                want = transport == "tcp" and int(m) > 0 and int(m) % world == 0
+            else:
+                want = transport == "tcp" or int(m) // world * int(n) * 4 < 1 << 20
+            assert (ring == "1") == want, f"rank {res.rank}: {op} m={m} over {transport}: ring={ring}"
+            seen[(op, want)] = seen.get((op, want), 0) + 1
+    if transport == "tcp":
+        assert seen.get(("gemm_allreduce", True)) and seen.get(("gemm_allreduce", False)), seen
+        assert seen.get(("gemm_reducescatter", True)), seen
+    else:
+        assert seen.get(("gemm_allreduce", False)), seen
+        assert seen.get(("gemm_reducescatter", False)) and seen.get(("gemm_reducescatter", True)), seen
