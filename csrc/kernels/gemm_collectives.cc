@@ -330,9 +330,10 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // collective instead (measured on 2 ranks: 1024x1024x1024 0.79-0.90x of unfused as a ring, 0.99-1.01x as
   // collectives; at 256x256x256 the ring's lower latency wins, 0.80-0.90x against 0.67x).
   constexpr double kCollectiveBlockBytes = 1 << 20;
-  const bool ring = g.is_mk() && R > 1 &&
-                    (p.over_tcp() || double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t) < kCollectiveBlockBytes);
-  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err, {{"ring", int64_t(ring), true}});
+  const double block_bytes = double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
+  const bool ring = g.is_mk() && R > 1 && (p.over_tcp() || block_bytes < kCollectiveBlockBytes);
+  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err,
+                                 {{"ring", int64_t(ring), true}});
 
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
