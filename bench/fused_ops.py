@@ -204,7 +204,8 @@ def main() -> int:
                 print(f"  measured {case.op} {case.shape}: fused {row['fused_ms']:.3f} ms, unfused "
                       f"{row['unfused_ms']:.3f} ms, ideal {row['ideal_ms']:.3f} ms", flush=True)
     doc = {"meta": {"world_size": launch.world_size, "backend": args.backend, "dtype": args.dtype,
-                    "chunks": args.chunks, "settle_ms": args.settle_ms, "hosts_desc": hosts_desc, "launcher": launch.launcher,
+                    "chunks": args.chunks, "settle_ms": args.settle_ms, "hosts_desc": hosts_desc,
+                    "launcher": launch.launcher,
                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "host": sorted(hosts), "load": os.getloadavg(), "families": families,
                     "torch": torch.__version__, "time_per_measurement_s": args.time},
