@@ -397,10 +397,23 @@ bool ShmProvider::pump_sends(int j) {
 void ShmProvider::progress_while_pending(const Request& r, int peer) {
   const int j = int(std::find(locals_.begin(), locals_.end(), peer) - locals_.begin());
   if (j >= local_size() || j == me_) return;
-  const auto until = Clock::now() + spin_;
+  // The spin time counts from the last time data moved: while a large message streams through the ring,
+  // the waiter keeps copying it (both sides of a transfer larger than the ring drive it this way, with no
+  // wake-ups between ring-fulls), and sleeps only once the peer has been idle for the spin time. Capped, so
+  // the request's deadline and interrupts (checked by the sleeping wait) are never far away.
+  const auto start = Clock::now();
+  const auto cap = start + kMaxActiveSpin;
+  auto until = start + spin_;
   for (int i = 1; !r.test(); ++i) {
     if (!alive_[size_t(j)].load() || aborted_.load()) return;
-    if (!drain_ring(j) && !pump_sends(j)) cpu_relax();
+    const bool drained = drain_ring(j);
+    if (pump_sends(j) || drained) {
+      const auto now = Clock::now();
+      if (now >= cap) return;
+      until = now + spin_;
+      continue;
+    }
+    cpu_relax();
     if ((i & 15) == 0 && Clock::now() >= until) return;
   }
 }

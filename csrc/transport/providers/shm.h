@@ -45,10 +45,11 @@ class ShmProvider final : public Provider {
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check) override;
   void abort(const std::string& why) override;
   bool peer_alive(int peer) const override;
-  // A thread about to sleep on request `r` of point-to-point traffic with `peer` makes progress itself for
-  // up to the spin time: it drains that peer's ring and pushes our queued sends to it, so a message that
-  // arrives meanwhile completes without waking the progress thread (on a VM a wake-up costs tens of
-  // microseconds). Returns when `r` finished or the spin time is over; never blocks on another thread.
+  // A thread about to sleep on request `r` of point-to-point traffic with `peer` makes progress itself: it
+  // drains that peer's ring and pushes our queued sends to it, so a message that arrives meanwhile completes
+  // without waking the progress thread (on a VM a wake-up costs tens of microseconds, and a transfer larger
+  // than the ring needs one per ring-full). Returns when `r` finished, when nothing moved for the spin time,
+  // or after kMaxActiveSpin of continuous copying; never blocks on another thread.
   void progress_while_pending(const Request& r, int peer);
 
   // ---- the collectives' view (called by one thread at a time: the group's worker) ----
@@ -92,6 +93,8 @@ class ShmProvider final : public Provider {
   std::vector<uint64_t> slot_release_;
   bool oversubscribed_ = false;
   std::chrono::microseconds spin_{50};
+  // progress_while_pending keeps a waiter copying at most this long while data flows (then it sleeps).
+  static constexpr std::chrono::milliseconds kMaxActiveSpin{20};
   std::atomic<bool> stop_{false};
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mu_;
