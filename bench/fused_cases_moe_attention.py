@@ -4,7 +4,8 @@ MoE shapes are (t, h, f, k, E_r) per rank: t tokens of hidden size h, top-k rout
 E = R*E_r experts, expert weights [E_r, h, f]. The unfused dispatch is what a model does without the fused
 op: sort the rows by expert, all_to_all_single the counts, all_to_all_single the routed rows (uneven splits),
 then one matmul per (expert, source) block, back to back; the unfused combine is the all_to_all_single back
-and the weighted sum. compute = the expert matmuls (resp. the weighted sum) alone, comm = the two
+and the weighted sum (the rows gathered into (token, choice) order, then one batched [t, 1, k] x [t, k, f]
+product: the same formulation the fused op uses, so the two differ only in how they move rows). compute = the expert matmuls (resp. the weighted sum) alone, comm = the two
 all_to_all_single calls alone.
 
 Attention shapes are (b, hq, hkv, s, d) per rank (s positions per rank, R*s in all). The unfused ring
@@ -86,12 +87,11 @@ def moe_cases_for(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> list
     # The unfused combine: rows back along the reverse splits (y in (source, expert) order), weighted sum.
     y_by_source = received0.new_empty((sum(recv0), f))
     back = x.new_empty((t * k, f))
-    out = torch.zeros(t * k, f, dtype=torch.float32)
-    weights = tw.reshape(-1).float()
+    inv0 = torch.empty_like(perm0).scatter_(0, perm0, torch.arange(t * k))  # sorted row of (token, choice)
+    weights = tw.reshape(t, 1, k).float()
 
     def weighted_sum(rows: torch.Tensor) -> torch.Tensor:
-        out.index_copy_(0, perm0, rows.float() * weights[perm0].unsqueeze(1))
-        return out.view(t, k, f).sum(1).to(dt)
+        return torch.bmm(weights, rows.index_select(0, inv0).view(t, k, f).float()).view(t, f).to(dt)
 
     def combine_unfused() -> torch.Tensor:
         dist.all_to_all_single(back, y_by_source, send0, recv0, group=g)
