@@ -11,13 +11,13 @@
 //       across hosts (tcp) with R dividing m: the reduce-scatter ring below, then the reduced blocks ring on
 //       to every rank, each chunk as soon as it is final.
 //   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
-//       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk a ring of partial sums over the
-//       transport (see ring_reducescatter), except on one host for blocks of 1 MiB and more. There, and on
-//       other backends, each chunk takes the same rows from every rank's block, so its reduce-scatter (an mk
+//       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk across hosts a ring of partial sums
+//       over the transport (see ring_reducescatter). On one host, and on other backends, each chunk takes the same rows from every rank's block, so its reduce-scatter (an mk
 //       collective, or the backend's) leaves this rank's rows of that chunk; the reduce-scatter of chunk i
 //       overlaps the products of chunk i+1.
 // Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
-// are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically.
+// are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically (one
+// chunk when every peer is on this host: see Pipeline::chunks).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
@@ -68,7 +68,7 @@ int64_t agree_chunks(Pipeline& p, const at::Tensor& a, const char* k_name, bool 
   std::string more;
   for (const auto& f : extra) more += c10::str(" ", f.name, "=", f.value);
   p.trace(c10::str("m=", m, " ", k_name, "=", k, " n=", n, " ", a.scalar_type(), " chunks=", C, " (proposed ",
-                   proposal, ")", more));
+                   proposal, requested > 0 ? ", requested" : ", automatic", ")", more));
   return C;
 }
 
@@ -325,13 +325,11 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, mb);
-  // mk: the ring of partial sums over the transport, across hosts and for small blocks; on one host, once a
-  // rank's block of partial sums reaches kCollectiveBlockBytes, each chunk's reduce-scatter is an mk
-  // collective instead (measured on 2 ranks: 1024x1024x1024 0.79-0.90x of unfused as a ring, 0.99-1.01x as
-  // collectives; at 256x256x256 the ring's lower latency wins, 0.80-0.90x against 0.67x).
-  constexpr double kCollectiveBlockBytes = 1 << 20;
-  const double block_bytes = double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
-  const bool ring = g.is_mk() && R > 1 && (p.over_tcp() || block_bytes < kCollectiveBlockBytes);
+  // mk: the ring of partial sums over the transport across hosts; on one host each chunk's reduce-scatter is
+  // an mk collective (with the one chunk Pipeline::chunks picks there: the GEMM, then the collective on this
+  // thread, as unfused). Measured on 2 ranks, one host: 256x256x256 0.93x of unfused against 0.85x as a ring,
+  // 512x256x512 0.96-0.97x against 0.96-1.00x; 1024x1024x1024 0.99x against 0.79-0.94x.
+  const bool ring = g.is_mk() && R > 1 && p.over_tcp();
   const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err,
                                  {{"ring", int64_t(ring), true}});
 

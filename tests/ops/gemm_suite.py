@@ -119,7 +119,7 @@ def run_ops(large: bool) -> None:
             check("gemm_allreduce", f"m={7 * world} k=5 n=6 {dtype} chunks={chunks}",
                   lambda: gemm_allreduce_case(7 * world, 5, 6, dtype, chunks))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks))
-    # gemm_reducescatter with 1 MiB blocks of fp32 partial sums: on one host the mk collective path
+    # gemm_reducescatter with 1 MiB blocks of fp32 partial sums (chunks of the collective path hold many rows)
     for dtype in DTYPES:
         chunks = rnd.choice(CHUNKS)
         check("gemm_reducescatter", f"mb=256 k=5 n=1024 {dtype} chunks={chunks}",

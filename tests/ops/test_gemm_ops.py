@@ -96,17 +96,23 @@ MULTI = [(w, t) for w, t in MK_WORLDS if w > 1]
 @pytest.mark.parametrize("world,transport", MULTI, ids=[f"{w}ranks-{t}" for w, t in MULTI])
 def test_ring_paths(world: int, transport: str) -> None:
     """Rings straight over the transport: gemm_allreduce over tcp when R divides m (reduce-scatter, then
-    allgather of the reduced blocks); gemm_reducescatter over tcp, and over shm while a rank's block of fp32
-    partial sums is under 1 MiB. Otherwise each chunk's collective is an mk collective. The op trace
-    (SUPERKERNEL_OPS_TRACE) shows the agreed path of every call."""
+    allgather of the reduced blocks); gemm_reducescatter over tcp. Otherwise (one host) each chunk's
+    collective is an mk collective, and an automatic chunk count is 1. The op trace (SUPERKERNEL_OPS_TRACE)
+    shows the agreed path and chunk count of every call."""
     seen: dict[tuple[str, bool], int] = {}
     for res in _worlds.results(world, transport, args_for(world, transport)):
+        for line in re.findall(r"\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] .*",
+                               res.stderr):
+            auto = re.search(r" chunks=(\d+) \(proposed \d+, automatic\)", line)
+            if auto and transport != "tcp":
+                assert auto.group(1) == "1", f"rank {res.rank}: automatic chunk count on one host: {line}"
+                seen[("automatic", False)] = seen.get(("automatic", False), 0) + 1
         for op, m, n, ring in re.findall(r"\[mk (gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(\d+) "
                                          r"k_r=\d+ n=(\d+) .* ring=(\d)", res.stderr):
             if op == "gemm_allreduce":
                 want = transport == "tcp" and int(m) > 0 and int(m) % world == 0
             else:
-                want = transport == "tcp" or int(m) // world * int(n) * 4 < 1 << 20
+                want = transport == "tcp"
             assert (ring == "1") == want, f"rank {res.rank}: {op} m={m} over {transport}: ring={ring}"
             seen[(op, want)] = seen.get((op, want), 0) + 1
     if transport == "tcp":
@@ -114,4 +120,4 @@ def test_ring_paths(world: int, transport: str) -> None:
         assert seen.get(("gemm_reducescatter", True)), seen
     else:
         assert seen.get(("gemm_allreduce", False)), seen
-        assert seen.get(("gemm_reducescatter", False)) and seen.get(("gemm_reducescatter", True)), seen
+        assert seen.get(("gemm_reducescatter", False)) and seen.get(("automatic", False)), seen
