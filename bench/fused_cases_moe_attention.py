@@ -4,9 +4,10 @@ MoE shapes are (t, h, f, k, E_r) per rank: t tokens of hidden size h, top-k rout
 E = R*E_r experts, expert weights [E_r, h, f]. The unfused dispatch is what a model does without the fused
 op: sort the rows by expert, all_to_all_single the counts, all_to_all_single the routed rows (uneven splits),
 then one matmul per (expert, source) block, back to back; the unfused combine is the all_to_all_single back
-and the weighted sum (the rows gathered into (token, choice) order, then one batched [t, 1, k] x [t, k, f]
-product: the same formulation the fused op uses, so the two differ only in how they move rows). compute = the expert matmuls (resp. the weighted sum) alone, comm = the two
-all_to_all_single calls alone.
+and the weighted sum, from the same y as the fused op (rows by local expert, gathered into source order
+for the all_to_all_single; the returned rows gathered into (token, choice) order, then one batched
+[t, 1, k] x [t, k, f] product: the fused op's formulation, so the two differ only in how they move rows).
+compute = the expert matmuls (resp. the weighted sum) alone, comm = the all_to_all_single calls alone.
 
 Attention shapes are (b, hq, hkv, s, d) per rank (s positions per rank, R*s in all). The unfused ring
 attention is all_gather_into_tensor of this rank's packed K/V, then scaled_dot_product_attention of the
@@ -84,8 +85,16 @@ def moe_cases_for(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> list
         dist.all_to_all_single(torch.empty_like(counts), counts, group=g)
         dist.all_to_all_single(received0, routed0, recv0, send0, group=g)
 
-    # The unfused combine: rows back along the reverse splits (y in (source, expert) order), weighted sum.
-    y_by_source = received0.new_empty((sum(recv0), f))
+    # The unfused combine from the same y the fused op gets (rows by local expert, then source): y in
+    # (source, expert) order for the all_to_all_single back along the reverse splits, then the weighted sum.
+    col = rc0.sum(0).tolist()   # rows per local expert
+    order = []
+    for s in range(R):
+        for e in range(er):
+            start = sum(col[:e]) + int(rc0[:s, e].sum())
+            order.extend(range(start, start + int(rc0[s, e])))
+    by_source = torch.tensor(order, dtype=torch.long)
+    y_by_source = y.index_select(0, by_source)
     back = x.new_empty((t * k, f))
     inv0 = torch.empty_like(perm0).scatter_(0, perm0, torch.arange(t * k))  # sorted row of (token, choice)
     weights = tw.reshape(t, 1, k).float()
@@ -94,8 +103,9 @@ def moe_cases_for(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> list
         return torch.bmm(weights, rows.index_select(0, inv0).view(t, k, f).float()).view(t, f).to(dt)
 
     def combine_unfused() -> torch.Tensor:
-        dist.all_to_all_single(back, y_by_source, send0, recv0, group=g)
-        return weighted_sum(back)
+        home = x.new_empty((t * k, f))  # a fresh receive buffer per call, as the unfused dispatch's `received`
+        dist.all_to_all_single(home, y.index_select(0, by_source), send0, recv0, group=g)
+        return weighted_sum(home)
 
     rows = t * k
     flops = 2.0 * rows * h * f  # about this rank's share, when routing is uniform
