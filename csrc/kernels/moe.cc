@@ -34,16 +34,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/argsort.h>
-#include <ATen/ops/bmm.h>
 #include <ATen/ops/bincount.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/index_select.h>
-#include <ATen/ops/scatter.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/scatter.h>
 #include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
