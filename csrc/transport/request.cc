@@ -29,10 +29,13 @@ void Request::finish(uint32_t state) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_.load(std::memory_order_relaxed) != kPending) return;
-    state_.store(state, std::memory_order_release);
+    state_.store(state, std::memory_order_seq_cst);
     cb.swap(callback_);
   }
-  futex_wake_all(&state_);
+  // The state store against the sleeper count (Dekker with wait()): either a sleeper that registered sees
+  // the new state in futex_wait's own check, or we see it registered and wake it. Most requests finish with
+  // nobody asleep on them, and then cost no system call.
+  if (sleepers_.load(std::memory_order_seq_cst) != 0) futex_wake_all(&state_);
   if (cb) cb(*this);
 }
 
@@ -54,7 +57,9 @@ void Request::wait(const Deadline& deadline, const std::function<std::string()>&
     if (cancel_generation().load(std::memory_order_acquire) != gen)
       throw CancelledError(cat(describe(), ": cancelled by an interrupt"));
     if (deadline.expired()) throw TimeoutError(cat(describe(), ": timed out"));
-    futex_wait(&state_, kPending, std::chrono::microseconds(20000));
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    if (state_.load(std::memory_order_seq_cst) == kPending) futex_wait(&state_, kPending, std::chrono::microseconds(20000));
+    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
   }
   if (failed()) throw PeerError(cat(describe(), ": ", error_));
 }

@@ -35,6 +35,7 @@ class Request {
   void finish(uint32_t state);
 
   std::atomic<uint32_t> state_{kPending};
+  std::atomic<uint32_t> sleepers_{0};  // threads in futex_wait on state_ (finish() wakes only when there are)
   std::mutex mu_;
   std::function<void(Request&)> callback_;
   std::string error_;
