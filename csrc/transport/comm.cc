@@ -1,5 +1,7 @@
 #include "transport/comm.h"
 
+#include <optional>
+
 #include "transport/error.h"
 
 namespace mk {
@@ -46,6 +48,8 @@ RequestPtr Comm::irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t c
 
 void Comm::wait(const RequestPtr& r, const Deadline& d, const char* op, int peer) {
   progress_while_pending(*r, peer);
+  std::optional<Sleeping> sleeping;
+  if (!r->test()) sleeping.emplace(*this, peer);
   r->wait(d, [&] {
     return peer == kAnySource ? cat("mk ", op, ": rank ", rank_, " (any source)")
                               : cat("mk ", op, ": rank ", rank_, ", peer ", peer);
@@ -55,6 +59,17 @@ void Comm::wait(const RequestPtr& r, const Deadline& d, const char* op, int peer
 void Comm::progress_while_pending(const Request& r, int peer) {
   if (!r.test() && shm_ && peer >= 0 && peer < size_ && route_[size_t(peer)] == shm_.get())
     shm_->progress_while_pending(r, peer);
+}
+
+Comm::Sleeping::Sleeping(Comm& c, int peer) {
+  if (!c.shm_ || (peer != kAnySource && (peer < 0 || peer >= c.size_ || c.route_[size_t(peer)] != c.shm_.get())))
+    return;
+  token_ = c.shm_->sleep(peer);
+}
+
+void Comm::poll(int peer) {
+  if (!shm_) return;
+  if (peer == kAnySource || (peer >= 0 && peer < size_ && route_[size_t(peer)] == shm_.get())) shm_->poll(peer);
 }
 
 void Comm::abort(const std::string& why) {

@@ -57,6 +57,19 @@ class Comm {
   // Before sleeping on request `r` with `peer`: over shm, drain and push that peer's traffic on this thread
   // for a few tens of microseconds (ShmProvider::progress_while_pending); nothing for other routes.
   void progress_while_pending(const Request& r, int peer);
+  // While alive: a thread of this rank sleeps waiting for point-to-point traffic from `peer` (kAnySource: any
+  // peer), so shared-memory peers announce what they write (ShmProvider::sleep). Every sleeping wait on
+  // a point-to-point request holds one; without it a message over shared memory may wait for the progress
+  // thread's periodic pass. Nothing for peers over tcp (its progress thread always listens).
+  class Sleeping {
+   public:
+    Sleeping(Comm& c, int peer);
+
+   private:
+    std::shared_ptr<void> token_;  // ShmProvider::sleep's (valid after the communicator is gone)
+  };
+  // One non-blocking progress pass over the shared-memory traffic with `peer` (kAnySource: every peer).
+  void poll(int peer);
 
   // Collective sequence number (same on every rank as long as they call the same collectives).
   uint64_t next_seq() { return seq_++; }

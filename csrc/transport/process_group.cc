@@ -579,11 +579,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::p2p(c10d::OpType type, const char
   RequestPtr req = sending ? comm_->isend(peer, uint64_t(tag), buf.data_ptr(), nbytes(buf), 0)
                            : comm_->irecv(peer, uint64_t(tag), buf.data_ptr(), nbytes(buf), 0);
   const int me = rank_;
-  if (peer != kAnySource) {
-    Comm* comm = comm_.get();
-    work->before_wait([comm, weak = std::weak_ptr<Request>(req), peer] {
-      if (auto r = weak.lock()) comm->progress_while_pending(*r, peer);
-    });
+  {
+    // The hooks may run after the group is gone (a user's is_completed() or a held future): they reach the
+    // communicator only through a weak reference, and the sleeping guard only touches the shared-memory
+    // segment it keeps mapped.
+    auto weak_pg = c10::weak_intrusive_ptr<ProcessGroupMK>(c10::intrusive_ptr<ProcessGroupMK>::unsafe_reclaim_from_nonowning(this));
+    work->progress_hooks(
+        [weak_pg, weak = std::weak_ptr<Request>(req), peer] {
+          auto pg = weak_pg.lock();
+          auto r = weak.lock();
+          if (pg && r) pg->comm().progress_while_pending(*r, peer);
+        },
+        [weak_pg, peer] {
+          if (auto pg = weak_pg.lock()) pg->comm().poll(peer);
+        },
+        [weak_pg, peer] {
+          auto pg = weak_pg.lock();
+          return pg ? std::shared_ptr<void>(std::make_shared<Comm::Sleeping>(pg->comm(), peer)) : nullptr;
+        });
   }
   if (!sending) {
     Comm* comm = comm_.get();

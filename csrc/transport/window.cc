@@ -213,6 +213,8 @@ std::vector<char> Window::exchange(uint32_t phase, const void* mine, size_t len,
     }
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
+      comm_.progress_while_pending(*recvs[size_t(p)], p);
+      Comm::Sleeping sleeping(comm_, p);
       recvs[size_t(p)]->wait(d, [&] {
         return cat("mk window #", id_, " ", what, ": rank ", me, " waiting for peer ", p, " (", what,
                    " is collective: every rank of the group must call it, in the same order)");

@@ -12,9 +12,11 @@ WorkMK::WorkMK(int rank, c10d::OpType type, const char* title, std::vector<at::T
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
 void WorkMK::complete(std::exception_ptr eptr, int source_rank) {
+  std::shared_ptr<void> sleeping;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     source_rank_ = source_rank;
+    sleeping.swap(future_sleeping_);
   }
   finish(eptr);
   if (eptr)
@@ -27,7 +29,11 @@ bool WorkMK::wait(std::chrono::milliseconds timeout) {
   const uint64_t gen = cancel_generation().load();
   const auto start = std::chrono::steady_clock::now();
   if (timeout == kNoTimeout) timeout = default_timeout_;
-  if (before_wait_ && !isCompleted()) before_wait_();
+  std::shared_ptr<void> sleeping;
+  if (before_wait_ && !isCompleted()) {
+    before_wait_();
+    if (sleeping_ && !isCompleted()) sleeping = sleeping_();
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   while (!completed_) {
     cv_.wait_for(lock, std::chrono::milliseconds(20));
@@ -50,7 +56,19 @@ bool WorkMK::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> WorkMK::getFuture() { return future_; }
+bool WorkMK::isCompleted() {
+  if (poll_ && !c10d::Work::isCompleted()) poll_();
+  return c10d::Work::isCompleted();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkMK::getFuture() {
+  if (sleeping_) {
+    std::shared_ptr<void> guard = sleeping_();  // outside mutex_: it may take the transport's locks
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!completed_ && !future_sleeping_) future_sleeping_ = std::move(guard);
+  }
+  return future_;
+}
 
 std::vector<at::Tensor> WorkMK::result() { return outputs_; }
 

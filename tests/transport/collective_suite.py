@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -288,6 +289,62 @@ def run(large: bool) -> None:
                     return "non-contiguous recv mismatch"
         return ""
     check("send_recv", "all", p2p)
+
+    def p2p_waits():
+        """Every way of waiting for a point-to-point transfer wakes up when the data comes, including a
+        receiver that sleeps before the sender writes (over shared memory the sender then has to ring it: a
+        waiter that is not woken would sit until the progress thread's 100 ms pass, so 30 rounds of one
+        style would take over 3 s instead of tens of milliseconds)."""
+        if world == 1:
+            return ""
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        rounds, delay = 30, 0.001
+
+        def wait_plain(y, src):
+            dist.irecv(y, src).wait()
+
+        def wait_future(y, src):
+            dist.irecv(y, src).get_future().wait()
+
+        def wait_polling(y, src):
+            w = dist.irecv(y, src)
+            deadline = time.monotonic() + 30
+            while not w.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("is_completed() never turned true")
+
+        def wait_any(y, src):
+            got = dist.recv(y)
+            if got != src:
+                raise AssertionError(f"any-source recv from {got}, expected {src}")
+
+        styles = {"wait": wait_plain, "future": wait_future, "is_completed": wait_polling, "any-source": wait_any}
+        for name, waiter in styles.items():
+            for n in (4, 300_000, 1_100_000):   # one message, a quarter of the 1 MiB ring, beyond the ring (floats)
+                dist.barrier()
+                t0 = time.perf_counter()
+                for i in range(rounds if n < 1_000_000 else 6):
+                    x = gen(rank, f"w{name}{i}", n, torch.float32)
+                    y = torch.empty(n)
+                    # odd rounds: the receiver is asleep before the sender writes; even rounds: the message
+                    # is written before the receiver looks (nobody waits for it yet)
+                    if i % 2:
+                        s = threading.Thread(target=lambda: (time.sleep(delay), dist.send(x, nxt)))
+                        s.start()
+                        waiter(y, prv)
+                        s.join()
+                    else:
+                        w = dist.isend(x, nxt)
+                        time.sleep(delay)
+                        waiter(y, prv)
+                        w.wait()
+                    if m := same(y, gen(prv, f"w{name}{i}", n, torch.float32), torch.float32):
+                        return f"{name} n={n} round {i}: {m}"
+                took = time.perf_counter() - t0
+                if took > 1.5:
+                    return f"{name} n={n}: {rounds} rounds took {took:.2f} s (a waiter was not woken)"
+        return ""
+    check("p2p_waits", "all", p2p_waits)
 
     def misc():
         # mk's threads carry names (top -H, gdb, py-spy): the group's worker, and a progress thread per

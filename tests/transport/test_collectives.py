@@ -9,7 +9,7 @@ from tests.transport.world import run_world
 
 WORLDS = [(1, "auto"), (2, "shm"), (2, "tcp"), (3, "shm"), (3, "tcp"), (4, "shm"), (4, "tcp")]
 FAMILIES = ["all_reduce", "reduce", "broadcast", "all_gather", "gather_scatter", "reduce_scatter", "all_to_all",
-            "send_recv", "misc"]
+            "send_recv", "p2p_waits", "misc"]
 _cache: dict[tuple[int, str], list] = {}
 
 

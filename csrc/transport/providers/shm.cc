@@ -20,7 +20,7 @@ namespace mk {
 namespace {
 
 constexpr uint64_t kMagic = 0x6d6b2d73686d3031ull;  // "mk-shm01"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: RingHeader::sleepers
 constexpr int kMaxSlots = 16;
 constexpr int kDescWords = 8;
 
@@ -43,6 +43,11 @@ struct alignas(64) Control {
 struct alignas(64) RingHeader {
   alignas(64) std::atomic<uint64_t> head;  // written by the sender
   alignas(64) std::atomic<uint64_t> tail;  // written by the receiver
+  // Receiver threads asleep waiting for something this ring brings (ShmProvider::sleep). The sender rings
+  // the receiver's progress thread only while there are some (or while its own send waits for ring space):
+  // a thread that polls drains the ring itself, and a message nobody waits for yet is taken when somebody
+  // does, so most messages cost no wake-up (on a VM, tens of microseconds for the waker).
+  alignas(64) std::atomic<uint32_t> sleepers;
 };
 
 struct MsgHeader {
@@ -183,7 +188,7 @@ ShmProvider::ShmProvider(int rank, const std::vector<int>& locals, Matcher& matc
   if (opt_.chunk < 4096 || opt_.chunk % 64) throw Error("mk shm: SUPERKERNEL_SHM_CHUNK must be a multiple of 64, >= 4096");
   if (opt_.ring < 4096) throw Error("mk shm: SUPERKERNEL_SHM_RING must be >= 4096");
   me_ = int(std::find(locals.begin(), locals.end(), rank) - locals.begin());
-  own_ = std::make_unique<ShmSegment>(int(locals.size()), opt_, rank);
+  own_ = std::make_shared<ShmSegment>(int(locals.size()), opt_, rank);
   peers_.resize(locals.size());
   pidfds_.assign(locals.size(), -1);
   for (size_t i = 0; i < locals.size(); ++i) {
@@ -334,11 +339,7 @@ RequestPtr ShmProvider::isend(int peer, uint64_t tag, const void* buf, size_t le
     std::lock_guard<std::mutex> lock(out_[j]->mu);
     pending = !out_[j]->q.empty();
   }
-  if (pending) {  // let our progress thread finish it as the receiver frees ring space
-    Control* c = own_->control();
-    c->doorbell.fetch_add(1);
-    if (c->doorbell_sleeping.load()) futex_wake_all(&c->doorbell);
-  }
+  if (pending) wake_progress();  // our progress thread finishes it as the receiver frees ring space
   return req;
 }
 
@@ -351,6 +352,7 @@ void ShmProvider::ring_doorbell(int j) {
 bool ShmProvider::pump_sends(int j) {
   std::vector<RequestPtr> done;
   bool moved = false;
+  bool blocked = false;  // a send is left waiting for ring space: the receiver must drain, waiting or not
   {
     std::lock_guard<std::mutex> lock(out_[j]->mu);
     auto& q = out_[j]->q;
@@ -388,8 +390,14 @@ bool ShmProvider::pump_sends(int j) {
       done.push_back(m.req);
       q.pop_front();
     }
+    blocked = !q.empty();
   }
-  if (moved) ring_doorbell(j);
+  if (moved) {
+    // The head store above against the sleeper count (Dekker with sleep()): either a thread that is
+    // about to sleep sees the new head, or we see it counted and ring.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (blocked || peers_[j]->ring_header(me_)->sleepers.load(std::memory_order_relaxed) != 0) ring_doorbell(j);
+  }
   for (auto& r : done) r->complete(0, rank_);
   return moved;
 }
@@ -416,6 +424,40 @@ void ShmProvider::progress_while_pending(const Request& r, int peer) {
     cpu_relax();
     if ((i & 15) == 0 && Clock::now() >= until) return;
   }
+}
+
+std::shared_ptr<void> ShmProvider::sleep(int peer) {
+  std::vector<int> rings;
+  for (int j = 0; j < local_size(); ++j) {
+    if (j == me_ || (peer != kAnySource && locals_[size_t(j)] != peer)) continue;
+    RingHeader* rh = own_->ring_header(j);
+    rh->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    rings.push_back(j);
+    // What the peer wrote before it could see us counted was not announced: take it now, or let the
+    // progress thread take it when another thread holds the ring (and may have read its head before).
+    if (rh->head.load(std::memory_order_seq_cst) != rh->tail.load(std::memory_order_seq_cst)) {
+      drain_ring(j);
+      if (rh->head.load(std::memory_order_seq_cst) != rh->tail.load(std::memory_order_seq_cst)) wake_progress();
+    }
+  }
+  std::shared_ptr<ShmSegment> seg = own_;
+  return std::shared_ptr<void>(seg.get(), [seg, rings](void*) {
+    for (int j : rings) seg->ring_header(j)->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  });
+}
+
+void ShmProvider::poll(int peer) {
+  for (int j = 0; j < local_size(); ++j) {
+    if (j == me_ || (peer != kAnySource && locals_[size_t(j)] != peer) || !alive_[size_t(j)].load()) continue;
+    drain_ring(j);
+    pump_sends(j);
+  }
+}
+
+void ShmProvider::wake_progress() {
+  Control* c = own_->control();
+  c->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (c->doorbell_sleeping.load(std::memory_order_seq_cst)) futex_wake_all(&c->doorbell);
 }
 
 bool ShmProvider::drain_ring(int j) {
@@ -459,7 +501,8 @@ bool ShmProvider::drain_ring(int j) {
     }
   }
   rh->tail.store(tail, std::memory_order_release);
-  ring_doorbell(j);  // the sender may be waiting for space
+  // No doorbell for the sender: a send waiting for ring space keeps its progress thread awake (progress_loop
+  // does not sleep while a send is queued), and a waiting sender thread polls the ring itself.
   return true;
 }
 

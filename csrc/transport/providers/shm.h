@@ -51,6 +51,14 @@ class ShmProvider final : public Provider {
   // than the ring needs one per ring-full). Returns when `r` finished, when nothing moved for the spin time,
   // or after kMaxActiveSpin of continuous copying; never blocks on another thread.
   void progress_while_pending(const Request& r, int peer);
+  // A thread of this rank goes to sleep waiting for traffic from `peer` (kAnySource: from any peer on this
+  // host) until the returned token is released. Peers ring this rank's progress thread for each message they
+  // write only while such a thread is counted (see RingHeader::sleepers in shm.cc), so every sleeping wait
+  // for point-to-point traffic must hold one (Comm::Sleeping does it). The token stays valid after the
+  // provider is gone.
+  std::shared_ptr<void> sleep(int peer);
+  // One non-blocking pass: drain what `peer` (kAnySource: every peer) wrote, push our queued sends to it.
+  void poll(int peer);
 
   // ---- the collectives' view (called by one thread at a time: the group's worker) ----
   int local_rank() const { return me_; }
@@ -75,6 +83,7 @@ class ShmProvider final : public Provider {
   bool pump_sends(int peer_local);
   bool drain_ring(int peer_local);
   void ring_doorbell(int peer_local);
+  void wake_progress();  // wake this rank's own progress thread if it sleeps
   void check_peer(int peer_local, const char* op);
   void fail_peer(int peer_local, const std::string& why);
 
@@ -83,7 +92,7 @@ class ShmProvider final : public Provider {
   int me_ = 0;
   Matcher& matcher_;
   ShmOptions opt_;
-  std::unique_ptr<ShmSegment> own_;
+  std::shared_ptr<ShmSegment> own_;  // shared with sleep() tokens, which may outlive the provider
   std::vector<std::unique_ptr<ShmSegment>> peers_;  // by local rank; own slot null
   std::vector<int> pidfds_;
   std::vector<std::unique_ptr<Outgoing>> out_;       // by local rank
