@@ -1,8 +1,9 @@
 // GEMM fused with a collective, on the pipeline scheduler:
 //   mk::allgather_gemm(a, b, group_name, return_gathered=False, chunks=0) -> (c, gathered)
-//       c = cat_r(a_r) @ b, [R*m, n]. On mk a ring over the transport: each step forwards the shard part
-//       just received to the next rank while multiplying it (no staging copies: parts land in `gathered`).
-//       On other backends: the backend's allgather of row part i+1 while part i is multiplied.
+//       c = cat_r(a_r) @ b, [R*m, n]. On mk across hosts a ring over the transport: each step forwards the
+//       shard part just received to the next rank while multiplying it (no staging copies: parts land in
+//       `gathered`). On one host, and on other backends: one allgather then one GEMM with one chunk, else the
+//       allgather of row part i+1 while part i is multiplied.
 //       `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k] (always a tuple, so the schema
 //       and the fake kernel do not depend on a flag's value).
 //   mk::gemm_allreduce(a, b, group_name, chunks=0) -> c
@@ -15,6 +16,9 @@
 //       over the transport (see ring_reducescatter). On one host, and on other backends, each chunk takes the same rows from every rank's block, so its reduce-scatter (an mk
 //       collective, or the backend's) leaves this rank's rows of that chunk; the reduce-scatter of chunk i
 //       overlaps the products of chunk i+1.
+// Every op first agrees with the other ranks on shapes, dtype and chunk count (group.h's Agreement). When one
+// chunk is planned, gemm_allreduce and gemm_reducescatter compute the whole product while that exchange
+// travels, so it costs nothing on the critical path.
 // Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
 // are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically (one
 // chunk when every peer is on this host: see Pipeline::chunks).
@@ -24,6 +28,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -53,24 +58,41 @@ std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char*
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
 
-// The step every GEMM op starts with: this rank's chunk proposal, then agree() on the shapes (plus `extra`
-// fields), so either every rank proceeds with rank 0's chunk count or every rank raises. Returns that count.
-int64_t agree_chunks(Pipeline& p, const at::Tensor& a, const char* k_name, bool k_must_match, int64_t m, int64_t k,
-                     int64_t n, int64_t requested, ChunkModel model, const std::string& err,
-                     std::vector<Field> extra = {}) {
-  model.dtype = a.scalar_type();
-  const int64_t proposal = err.empty() ? p.chunks(requested, model) : 1;
-  std::vector<Field> fields{{"m", m}, {k_name, k, k_must_match}, {"n", n}, {"dtype", dtype_code(a.scalar_type())}};
-  fields.insert(fields.end(), extra.begin(), extra.end());
-  fields.push_back({"chunks", proposal, false});
-  const int64_t C = p.agree(std::move(fields), err)[0].back();
-  p.use_chunks(C);
-  std::string more;
-  for (const auto& f : extra) more += c10::str(" ", f.name, "=", f.value);
-  p.trace(c10::str("m=", m, " ", k_name, "=", k, " n=", n, " ", a.scalar_type(), " chunks=", C, " (proposed ",
-                   proposal, requested > 0 ? ", requested" : ", automatic", ")", more));
-  return C;
-}
+// The step every GEMM op starts with: this rank's chunk proposal, and the agreement on the shapes (plus
+// `extra` fields) started. chunks() finishes it: either every rank proceeds with rank 0's chunk count or every
+// rank raises. In between an op may compute what does not depend on the agreed count (see `early` in the ops):
+// the exchange of descriptors then costs nothing on the critical path.
+class GemmAgreement {
+ public:
+  GemmAgreement(Pipeline& p, const at::Tensor& a, const char* k_name, bool k_must_match, int64_t m, int64_t k,
+                int64_t n, int64_t requested, ChunkModel model, const std::string& err, std::vector<Field> extra = {})
+      : p_(p), dtype_(a.scalar_type()), k_name_(k_name), m_(m), k_(k), n_(n), requested_(requested) {
+    model.dtype = a.scalar_type();
+    proposal_ = err.empty() ? p.chunks(requested, model) : 1;
+    std::vector<Field> fields{{"m", m}, {k_name, k, k_must_match}, {"n", n}, {"dtype", dtype_code(a.scalar_type())}};
+    fields.insert(fields.end(), extra.begin(), extra.end());
+    fields.push_back({"chunks", proposal_, false});
+    for (const auto& f : extra) extra_ += c10::str(" ", f.name, "=", f.value);
+    agreement_.emplace(p.start_agree(std::move(fields), err));
+  }
+  // This rank's own proposal (the agreed count is rank 0's; they differ only when ranks request different ones).
+  int64_t proposal() const { return proposal_; }
+  int64_t chunks() {
+    const int64_t C = agreement_->result()[0].back();
+    p_.use_chunks(C);
+    p_.trace(c10::str("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
+                      requested_ > 0 ? ", requested" : ", automatic", ")", extra_));
+    return C;
+  }
+
+ private:
+  Pipeline& p_;
+  at::ScalarType dtype_;
+  const char* k_name_;
+  int64_t m_, k_, n_, requested_, proposal_ = 1;
+  std::string extra_;
+  std::optional<Agreement> agreement_;
+};
 
 // gemm_reducescatter on mk: a ring of partial sums straight over the transport. At step s rank r works on
 // block (r - s - 1) mod R: it multiplies its own part of that block, adds the running sum received from the
@@ -167,18 +189,28 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.comm_bytes = double(R - 1) * double(std::max<int64_t>(m, 0)) * double(std::max<int64_t>(k, 0)) * a_in.element_size();
   model.flops = 2.0 * R * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, m);
-  const int64_t C = agree_chunks(p, a_in, "k", true, m, k, n, chunks, model, err,
-                                 {{"return_gathered", int64_t(return_gathered), false}});
-
+  GemmAgreement ga(p, a_in, "k", true, m, k, n, chunks, model, err,
+                   {{"return_gathered", int64_t(return_gathered), false}});
+  // (No product starts before the agreement here: computing this rank's own rows first splits the GEMM in
+  // two, which measured slower on one host than the exchange it would hide: 256^3 on 2 ranks 0.92-0.94x of
+  // unfused against 0.97-1.03x.)
+  const int64_t C = ga.chunks();
   at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   at::Tensor gathered = at::empty({R * m, k}, a.options());
   at::Tensor c = at::empty({R * m, n}, a.options());
-  gathered.narrow(0, r * m, m).copy_(a);
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
-  if (!g.is_mk() && R > 1) {
-    // Other backends: the backend's allgather of part i+1 runs while part i's rows of every shard are
-    // multiplied. (A ring of separate sends and receives would deadlock NCCL, whose point-to-point calls
-    // outside a group are serialised on one stream.)
+  if (R > 1 && (!g.is_mk() || !p.over_tcp())) {
+    // Other backends, and mk on one host: collectives. One chunk: one allgather of the shards into
+    // `gathered` (on this thread, as unfused), then one GEMM over all rows. More chunks: the
+    // allgather of row part i+1 runs while part i's rows of every shard are multiplied. (A ring of separate
+    // sends and receives would deadlock NCCL, whose point-to-point calls outside a group are serialised on
+    // one stream; on one host it would copy each shard twice per hop, where the shm collective copies it in
+    // once and out once.)
+    if (C == 1) {
+      p.on_caller([&] { return p.allgather(a, gathered); }).wait();
+      at::mm_out(c, gathered, b);
+      return {c, return_gathered ? gathered : a.new_empty({0, k})};
+    }
     std::vector<std::pair<int64_t, int64_t>> ranges;
     for (int64_t i = 0; i < C; ++i) {
       auto rg = chunk_range(m, C, i);
@@ -209,6 +241,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   }
 
   // mk: a ring straight over the transport.
+  gathered.narrow(0, r * m, m).copy_(a);
   const int next = (r + 1) % R, prev = (r - 1 + R) % R;
   auto part = [&](int64_t block, int64_t i) {
     auto [lo, hi] = chunk_range(m, C, i);
@@ -258,15 +291,27 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const int R = g.size;
   const bool ring = err.empty() && R > 1 && m > 0 && m % R == 0 && g.is_mk() && p.over_tcp();
   if (ring) model.max_chunks = std::max<int64_t>(1, m / R);
-  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err,
-                                 {{"ring", int64_t(ring), true}});
-
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
-  at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
-  at::Tensor acc = at::empty({m, n}, a.options().dtype(acc_t));
+  at::Tensor a, b, acc;
+  auto prepare = [&] {
+    a = a_in.contiguous();
+    b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
+    acc = at::empty({m, n}, a.options().dtype(acc_t));
+  };
+  // One chunk planned, no ring: the whole product a_r @ b_r does not depend on the agreed chunk count, so it
+  // is computed while the agreement travels (if rank 0 asked for more chunks, they are reduced from it).
+  const bool early = err.empty() && !ring && ga.proposal() == 1 && m > 0 && n > 0;
+  if (early) {
+    prepare();
+    at::mm_out(acc, half ? a.to(acc_t) : a, b);
+    p.publish(acc);
+  }
+  const int64_t C = ga.chunks();
+  if (!early) prepare();
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
   if (g.size == 1) {
-    at::mm_out(acc, half ? a.to(acc_t) : a, b);
+    if (!early) at::mm_out(acc, half ? a.to(acc_t) : a, b);
     return half ? acc.to(a_in.scalar_type()) : acc;
   }
   if (ring) {
@@ -289,6 +334,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   p.overlap(
       int64_t(ranges.size()),
       [&](int64_t i) {
+        if (early) return;
         auto [lo, hi] = ranges[size_t(i)];
         at::Tensor dst = acc.narrow(0, lo, hi - lo);
         at::Tensor src = a.narrow(0, lo, hi - lo);
@@ -330,12 +376,26 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // thread, as unfused). Measured on 2 ranks, one host: 256x256x256 0.93x of unfused against 0.85x as a ring,
   // 512x256x512 0.96-0.97x against 0.96-1.00x; 1024x1024x1024 0.99x against 0.79-0.94x.
   const bool ring = g.is_mk() && R > 1 && p.over_tcp();
-  const int64_t C = agree_chunks(p, a_in, "k_r", false, m, k, n, chunks, model, err,
-                                 {{"ring", int64_t(ring), true}});
-
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
-  at::Tensor a = a_in.contiguous(), b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
-  at::Tensor acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
+  at::Tensor a, b, acc_out, full;
+  auto prepare = [&] {
+    a = a_in.contiguous();
+    b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
+    acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
+  };
+  // One chunk planned, no ring: every rank's block of partial sums (the whole a_r @ b_r, [R, mb, n]) is
+  // computed while the agreement travels.
+  const bool early = err.empty() && !ring && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0;
+  if (early) {
+    prepare();
+    full = at::empty({R, mb, n}, a.options().dtype(acc_t));
+    at::Tensor flat = full.view({m, n});
+    at::mm_out(flat, half ? a.to(acc_t) : a, b);
+    p.publish(full);
+  }
+  const int64_t C = ga.chunks();
+  if (!early) prepare();
   if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   if (R == 1) {
     at::mm_out(acc_out, half ? a.to(acc_t) : a, b);
@@ -350,7 +410,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     ring_reducescatter(p, a, b, acc_out, mb, ranges, acc_t);
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
-  // Other backends, and mk on one host for large blocks: one staging buffer per chunk, [R, rows_i, n], block
+  // Other backends, and mk on one host: one staging buffer per chunk, [R, rows_i, n], block
   // j = rows of rank j's block (the reduce-scatter input); the reduce_scatter of chunk i overlaps the
   // products of chunk i+1.
   std::vector<at::Tensor> stage(ranges.size());
@@ -359,6 +419,10 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
       [&](int64_t i) {
         auto [lo, hi] = ranges[size_t(i)];
         const int64_t rows = hi - lo;
+        if (early) {  // computed during the agreement; this chunk's rows of every block
+          stage[size_t(i)] = rows == mb ? full : full.narrow(1, lo, rows).contiguous();
+          return;
+        }
         stage[size_t(i)] = at::empty({R, rows, n}, a.options().dtype(acc_t));
         for (int j = 0; j < R; ++j) {
           at::Tensor src = a.narrow(0, j * mb + lo, rows);

@@ -1,12 +1,15 @@
 #include "kernels/group.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <cstring>
 #include <sstream>
 
+#include "transport/comm.h"
+#include "transport/error.h"
 #include "transport/process_group.h"
 
 namespace mk::kernels {
@@ -55,59 +58,210 @@ std::string value_text(const char* field, int64_t v) {
   return std::to_string(v);
 }
 
+[[noreturn]] void throw_backend(const std::string& msg) {
+  throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg);
+}
+
+// Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, then the fields.
+constexpr int64_t kMagic = 0x6d6b616772656531;  // "mkagree1"
+constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHead = 8;
+constexpr size_t kWords = 48;
+constexpr size_t kMaxFields = kWords - kHead;
+// Message tag of every agreement (bit 60: fused-op agreements; bit 61: fused-op data, pipeline.cc; bit 62:
+// windows; bit 63: collectives). One tag for all calls: a pair's messages match in call order, and a rank at
+// another call is caught by the call number and op name inside the descriptor instead of waiting forever for
+// a tag that never comes.
+constexpr uint64_t kTag = 1ull << 60;
+constexpr uint64_t kCheck = 0x6167726565000001ull;
+
+void pack_name(const char* op, int64_t* out) {
+  char name[kNameBytes] = {};
+  std::strncpy(name, op, sizeof(name) - 1);
+  std::memcpy(out, name, sizeof(name));
+}
+
+std::string unpack_name(const int64_t* in) {
+  char name[kNameBytes + 1] = {};
+  std::memcpy(name, in, kNameBytes);
+  return name;
+}
+
 }  // namespace
 
-std::vector<std::vector<int64_t>> agree(const Group& g, const char* op, const std::vector<Field>& fields,
-                                        const std::string& local_error) {
-  // Layout per rank: [ok, field values...]
-  const int64_t width = int64_t(fields.size()) + 1;
-  auto opts = at::TensorOptions().dtype(at::kLong).device(g.device);
-  at::Tensor mine = at::empty({width}, at::TensorOptions().dtype(at::kLong));
-  auto* p = mine.data_ptr<int64_t>();
-  p[0] = local_error.empty() ? 1 : 0;
-  for (size_t i = 0; i < fields.size(); ++i) p[i + 1] = fields[i].value;
-  std::vector<std::vector<int64_t>> all(size_t(g.size), std::vector<int64_t>(fields.size()));
-  if (g.size > 1) {
-    at::Tensor in = mine.to(g.device);
-    std::vector<at::Tensor> outs;
-    for (int r = 0; r < g.size; ++r) outs.push_back(at::zeros({width}, opts));
-    std::vector<std::vector<at::Tensor>> out_lists{outs};
-    std::vector<at::Tensor> ins{in};
+struct Agreement::State {
+  Group g;
+  const char* op;
+  std::vector<Field> fields;
+  std::string local_error;
+  uint64_t seq;
+  bool done = false;
+  std::vector<int64_t> mine;   // kWords
+  std::vector<int64_t> theirs; // size * kWords (rank q at q * kWords; own row unused on mk)
+  // mk
+  std::vector<RequestPtr> sends, recvs;  // by peer (null for this rank)
+  // other backends
+  at::Tensor in;
+  std::vector<std::vector<at::Tensor>> outs;
+  c10::intrusive_ptr<c10d::Work> work;
+
+  void finish_mk(bool quiet);
+  std::vector<std::vector<int64_t>> check();
+};
+
+Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq)
+    : s_(std::make_unique<State>()) {
+  State& s = *s_;
+  s.g = g;
+  s.op = op;
+  s.fields = std::move(fields);
+  s.local_error = std::move(local_error);
+  s.seq = seq;
+  TORCH_CHECK(s.fields.size() <= kMaxFields, "mk ", op, ": too many agreement fields (", s.fields.size(), ")");
+  s.mine.assign(kWords, 0);
+  s.mine[0] = kMagic;
+  pack_name(op, &s.mine[kName]);
+  s.mine[kSeq] = int64_t(seq);
+  s.mine[kCount] = int64_t(s.fields.size());
+  s.mine[kOk] = s.local_error.empty() ? 1 : 0;
+  for (size_t i = 0; i < s.fields.size(); ++i) s.mine[kHead + i] = s.fields[i].value;
+  const int R = g.size;
+  s.theirs.assign(size_t(R) * kWords, 0);
+  std::copy(s.mine.begin(), s.mine.end(), s.theirs.begin() + ptrdiff_t(size_t(g.rank) * kWords));
+  if (R == 1) return;
+  if (g.is_mk()) {
+    Comm& comm = g.comm();
+    s.sends.resize(size_t(R));
+    s.recvs.resize(size_t(R));
+    const size_t bytes = kWords * sizeof(int64_t);
     try {
-      auto work = g.backend->allgather(out_lists, ins, c10d::AllgatherOptions());
-      work->wait(g.timeout);
-    } catch (const c10::Error& e) {
-      throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)},
-                                  c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors with the ",
-                                           g.size - 1, " other ranks failed: ", e.what_without_backtrace()));
+      comm.check_usable(op);
+      for (int i = 1; i < R; ++i) {
+        const int q = (g.rank - i + R) % R;
+        s.recvs[size_t(q)] = comm.irecv(q, kTag, &s.theirs[size_t(q) * kWords], bytes, kCheck);
+      }
+      for (int i = 1; i < R; ++i) {
+        const int q = (g.rank + i) % R;
+        s.sends[size_t(q)] = comm.isend(q, kTag, s.mine.data(), bytes, kCheck);
+      }
+    } catch (const Error& e) {
+      s.done = true;
+      comm.abort(e.what());
+      throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": sending the argument descriptor failed: ", e.what()));
     }
-    std::vector<int64_t> oks(size_t(g.size));
-    for (int r = 0; r < g.size; ++r) {
-      at::Tensor t = out_lists[0][size_t(r)].cpu();
-      const int64_t* q = t.data_ptr<int64_t>();
-      oks[size_t(r)] = q[0];
-      for (size_t i = 0; i < fields.size(); ++i) all[size_t(r)][i] = q[i + 1];
-    }
-    TORCH_CHECK(local_error.empty(), "mk ", op, ": rank ", g.rank, ": ", local_error);
-    for (int r = 0; r < g.size; ++r)
-      TORCH_CHECK(oks[size_t(r)] == 1, "mk ", op, ": rank ", r, " rejected its arguments (see rank ", r,
-                  "'s error); no rank ran the op (this is rank ", g.rank, ")");
-  } else {
-    TORCH_CHECK(local_error.empty(), "mk ", op, ": rank ", g.rank, ": ", local_error);
-    for (size_t i = 0; i < fields.size(); ++i) all[0][i] = fields[i].value;
+    return;
   }
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  s.in = at::from_blob(s.mine.data(), {int64_t(kWords)}, opts).to(g.device);
+  s.outs.resize(1);
+  for (int r = 0; r < R; ++r) s.outs[0].push_back(at::empty({int64_t(kWords)}, opts.device(g.device)));
+  std::vector<at::Tensor> ins{s.in};
+  try {
+    s.work = g.backend->allgather(s.outs, ins, c10d::AllgatherOptions());
+  } catch (const c10::Error& e) {
+    s.done = true;
+    throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors with the ", R - 1,
+                           " other ranks failed: ", e.what_without_backtrace()));
+  }
+}
+
+Agreement::Agreement(Agreement&&) noexcept = default;
+
+Agreement::~Agreement() {
+  if (!s_ || s_->done) return;
+  s_->done = true;
+  try {
+    if (s_->g.is_mk()) {
+      s_->finish_mk(true);
+    } else if (s_->work) {
+      s_->work->wait(s_->g.timeout);
+    }
+  } catch (...) {
+    // Unwinding after another error: the descriptors are consumed or the communicator was aborted.
+  }
+}
+
+// Wait for every descriptor (mk). A transport failure (timeout, a peer gone, an interrupt) leaves the pairs
+// out of step, so the communicator is aborted, as for any torn exchange.
+void Agreement::State::finish_mk(bool quiet) {
+  Comm& comm = g.comm();
+  const Deadline dl = Deadline::after(g.timeout);
+  const std::string what = c10::str(op, " (argument agreement)");
+  for (int q = 0; q < g.size; ++q) {
+    for (RequestPtr* r : {&recvs[size_t(q)], &sends[size_t(q)]}) {
+      if (!*r) continue;
+      try {
+        comm.wait(*r, dl, what.c_str(), q);
+      } catch (const Error& e) {
+        for (auto& x : recvs)
+          if (x && !x->test()) comm.matcher().cancel(x, e.what());
+        comm.abort(e.what());
+        if (quiet) return;
+        throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors failed: ", e.what()));
+      }
+    }
+  }
+}
+
+std::vector<std::vector<int64_t>> Agreement::result() {
+  TORCH_CHECK(s_ && !s_->done, "mk agreement: result() called twice");
+  State& s = *s_;
+  s.done = true;
+  if (s.g.size > 1) {
+    if (s.g.is_mk()) {
+      s.finish_mk(false);
+    } else {
+      try {
+        s.work->wait(s.g.timeout);
+      } catch (const c10::Error& e) {
+        throw_backend(c10::str("mk ", s.op, ": rank ", s.g.rank, ": exchanging the argument descriptors with the ",
+                               s.g.size - 1, " other ranks failed: ", e.what_without_backtrace()));
+      }
+      for (int r = 0; r < s.g.size; ++r) {
+        at::Tensor t = s.outs[0][size_t(r)].cpu();
+        std::memcpy(&s.theirs[size_t(r) * kWords], t.data_ptr<int64_t>(), kWords * sizeof(int64_t));
+      }
+    }
+  }
+  return s.check();
+}
+
+std::vector<std::vector<int64_t>> Agreement::State::check() {
+  const int R = g.size;
+  auto row = [&](int r) { return &theirs[size_t(r) * kWords]; };
+  // Same op and call number everywhere, before anything is read as this op's fields.
+  for (int r = 0; r < R; ++r) {
+    const int64_t* d = row(r);
+    TORCH_CHECK(d[0] == kMagic, "mk ", op, ": rank ", g.rank, ": rank ", r, " sent a malformed argument descriptor");
+    const std::string theirs_op = unpack_name(d + kName);
+    TORCH_CHECK(theirs_op == unpack_name(&mine[kName]) && d[kSeq] == int64_t(seq) && d[kCount] == int64_t(fields.size()),
+                "mk ", op, ": the ranks are at different fused-op calls on this group: rank ", g.rank, " is at ", op,
+                " (call ", seq, "), rank ", r, " at ", theirs_op, " (call ", d[kSeq], "); every rank must call the "
+                "same fused ops in the same order");
+  }
+  TORCH_CHECK(local_error.empty(), "mk ", op, ": rank ", g.rank, ": ", local_error);
+  for (int r = 0; r < R; ++r)
+    TORCH_CHECK(row(r)[kOk] == 1, "mk ", op, ": rank ", r, " rejected its arguments (see rank ", r,
+                "'s error); no rank ran the op (this is rank ", g.rank, ")");
+  std::vector<std::vector<int64_t>> all(size_t(R), std::vector<int64_t>(fields.size()));
+  for (int r = 0; r < R; ++r)
+    for (size_t i = 0; i < fields.size(); ++i) all[size_t(r)][i] = row(r)[kHead + i];
   std::ostringstream bad;
   for (size_t i = 0; i < fields.size(); ++i) {
     if (!fields[i].must_match) continue;
     bool same = true;
-    for (int r = 1; r < g.size; ++r) same = same && all[size_t(r)][i] == all[0][i];
+    for (int r = 1; r < R; ++r) same = same && all[size_t(r)][i] == all[0][i];
     if (same) continue;
     bad << (bad.tellp() > 0 ? "; " : "") << fields[i].name << " differs:";
-    for (int r = 0; r < g.size; ++r) bad << " rank " << r << " has " << value_text(fields[i].name, all[size_t(r)][i]);
+    for (int r = 0; r < R; ++r) bad << " rank " << r << " has " << value_text(fields[i].name, all[size_t(r)][i]);
   }
   TORCH_CHECK(bad.tellp() == 0, "mk ", op, ": the ranks called it with different arguments (", bad.str(),
-              "); every rank must pass matching shapes and dtypes (this is rank ", g.rank, " of ", g.size, ")");
+              "); every rank must pass matching shapes and dtypes (this is rank ", g.rank, " of ", R, ")");
   return all;
+}
+
+std::vector<std::vector<int64_t>> agree(const Group& g, const char* op, const std::vector<Field>& fields,
+                                        const std::string& local_error, uint64_t seq) {
+  return Agreement(g, op, fields, local_error, seq).result();
 }
 
 }  // namespace mk::kernels

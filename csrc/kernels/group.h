@@ -1,9 +1,9 @@
 // The process group a fused operator runs on: resolved from its `group_name` (c10d::resolve_process_group),
 // with the backend for the tensors' device, and whether that backend is mk (the pipeline then drives the
 // transport directly) or anything else (gloo, nccl: the pipeline uses that backend's async collectives).
-// Also the cross-rank agreement check every op runs first: each rank contributes a small descriptor
-// (shapes, dtype, options, its own argument-check verdict); every rank sees all of them and either every
-// rank proceeds or every rank throws, naming the op and the ranks that differ. Never a hang or a wrong
+// Also the cross-rank agreement every op runs before it communicates: each rank contributes a small
+// descriptor (shapes, dtype, options, its own argument-check verdict); every rank sees all of them and either
+// every rank proceeds or every rank throws, naming the op and the ranks that differ. Never a hang or a wrong
 // answer because ranks called an op with different shapes.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -47,13 +48,39 @@ struct Field {
   bool must_match = true;  // every rank must pass the same value (otherwise it is only exchanged)
 };
 
-// Exchange descriptors (one allgather of R small int64 vectors over the group) and check them.
-// `local_error` is this rank's own argument-check verdict ("" = fine): a rank with a local error throws it
-// (prefixed with op and rank), the others throw "rank X rejected its arguments" — so a bad call on one rank
-// is an error on every rank. Fields with must_match that differ throw on every rank, listing the values per
-// rank. Returns all ranks' values: result[r][i] = rank r's fields[i].value.
+// The cross-rank agreement in flight. Constructing it sends this rank's descriptor (the op's name, its call
+// number `seq` on this group, the fields, and whether its own argument check passed) and posts the receives
+// of every other rank's; result() waits for them and checks. Between the two the caller may compute
+// anything that needs only its own, locally checked, arguments: the exchange then hides behind that work.
+//   mk      one small message to and from every other rank straight over the transport (tag space of its
+//           own, matched in call order per pair), so nothing waits for a collective to be scheduled;
+//   other   one asynchronous allgather of the descriptors on the backend.
+// result() throws on every rank, naming the op: with this rank's own error (`local_error`); "rank X rejected
+// its arguments"; the ranks are at different fused-op calls (another op name or call number: every rank must
+// call the same fused ops in the same order); or the must_match fields that differ, with each rank's value.
+// Returns all ranks' values: result[r][i] = rank r's fields[i].value. Call it once. Destroyed without a
+// result() (an exception in between), it still consumes the descriptors (bounded by the group timeout), so
+// later calls on the group stay in step.
+class Agreement {
+ public:
+  Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq);
+  ~Agreement();
+  Agreement(Agreement&&) noexcept;
+  Agreement& operator=(Agreement&&) = delete;
+  Agreement(const Agreement&) = delete;
+  Agreement& operator=(const Agreement&) = delete;
+
+  std::vector<std::vector<int64_t>> result();
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> s_;
+};
+
+// Agreement(...).result() at once: exchange and check before anything else happens.
 std::vector<std::vector<int64_t>> agree(const Group& g, const char* op, const std::vector<Field>& fields,
-                                        const std::string& local_error);
+                                        const std::string& local_error, uint64_t seq);
 
 // A dtype as a small integer for descriptors, and back to its name for messages.
 int64_t dtype_code(at::ScalarType t);

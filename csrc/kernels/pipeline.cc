@@ -293,10 +293,11 @@ Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op), started_(Cl
 Pipeline::~Pipeline() { record_timing(); }
 
 std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, const std::string& local_error) {
-  fields.push_back({"fused-op call number on this group", int64_t(seq_), true});
-  auto all = kernels::agree(g_, op_, fields, local_error);
-  for (auto& row : all) row.pop_back();
-  return all;
+  return kernels::agree(g_, op_, fields, local_error, seq_);
+}
+
+Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error) {
+  return Agreement(g_, op_, std::move(fields), local_error, seq_);
 }
 
 int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
@@ -388,7 +389,8 @@ Pending Pipeline::p2p(const at::Tensor& t, int peer, uint32_t slot, bool is_recv
     st->is_recv = is_recv;
     st->generation = cancel_generation().load();
     st->keep = {t};
-    const uint64_t tag = (1ull << 62) | ((seq_ & 0xffffffffffull) << 20) | slot;
+    // bit 61: fused-op data (bits 20-59 the call number, 0-19 the slot); group.cc lists the other tag spaces
+    const uint64_t tag = (1ull << 61) | ((seq_ & 0xffffffffffull) << 20) | slot;
     const uint64_t check = mix64(mix64(0x6d6b6f70, tag), nbytes(t)) | 1;
     try {
       st->comm->check_usable(op_);

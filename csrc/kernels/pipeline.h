@@ -104,9 +104,13 @@ class Pipeline {
   // Sequence number of this op call on this group (the same on every rank; part of agree()'s descriptor).
   uint64_t seq() const { return seq_; }
 
-  // group.h's agree() with the op's sequence number added, so ranks that called different fused ops (or a
-  // different number of them) fail instead of exchanging the wrong messages.
+  // group.h's agree() with the op's name and call number in the descriptor, so ranks that called different
+  // fused ops (or a different number of them) fail instead of exchanging the wrong messages.
   std::vector<std::vector<int64_t>> agree(std::vector<Field> fields, const std::string& local_error);
+  // The same, started now and checked by the returned Agreement's result(): compute that needs only this
+  // rank's own (locally checked) arguments can run in between and hide the exchange. No communication of
+  // the op may start before result() returned.
+  Agreement start_agree(std::vector<Field> fields, const std::string& local_error);
 
   // This rank's proposal for the chunk count: `requested` > 0 wins (clamped to [1, max_chunks]); 0 picks
   // one from the model, the measured compute rate and the group's link estimate (measured on this group's
@@ -145,6 +149,15 @@ class Pipeline {
   // Rows of dim 0 split per peer (empty splits = even).
   Pending alltoall(const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
                    std::vector<int64_t> in_splits);
+
+  // Issue a collective (one of the calls above, made inside `issue`) on the caller's thread instead of the
+  // communication lane: for a collective with no computation left to overlap, as an unfused call would be.
+  // Only while no lane collective of this call is in flight (collectives run in issue order everywhere).
+  template <typename Issue>
+  Pending on_caller(Issue issue) {
+    InlineScope scope(*this);
+    return issue();
+  }
 
   // SUPERKERNEL_OPS_TRACE=1: one line per op call on stderr (op, rank, shape, agreed chunk count).
   void trace(const std::string& what) const;

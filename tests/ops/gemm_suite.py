@@ -185,6 +185,12 @@ def run_disagreements() -> None:
     check("errors", "gemm_reducescatter m differs", lambda: expect_error(
         lambda: mk.gemm_reducescatter(torch.ones(world * (2 + rank), 2), torch.ones(2, 3)), "gemm_reducescatter",
         "m differs"))
+    # rank 0 calls another op than the rest: every rank names both ops (and the group stays in step)
+    other = "gemm_allreduce" if rank == 0 else "allgather_gemm"
+    op = mk.gemm_allreduce if rank == 0 else mk.allgather_gemm
+    check("errors", "different ops", lambda: expect_error(
+        lambda: op(torch.ones(world * 2, 2), torch.ones(2, 3)), other, "different fused-op calls",
+        "gemm_allreduce" if rank else "allgather_gemm"))
 
 
 # ---------------------------------------------------------------- opcheck and compile
