@@ -20,7 +20,7 @@ namespace mk {
 namespace {
 
 constexpr uint64_t kMagic = 0x6d6b2d73686d3031ull;  // "mk-shm01"
-constexpr uint32_t kVersion = 2;  // 2: RingHeader::sleepers
+constexpr uint32_t kVersion = 2;  // 2: RingHeader::sleepers, sender_waiting
 constexpr int kMaxSlots = 16;
 constexpr int kDescWords = 8;
 
@@ -48,6 +48,9 @@ struct alignas(64) RingHeader {
   // a thread that polls drains the ring itself, and a message nobody waits for yet is taken when somebody
   // does, so most messages cost no wake-up (on a VM, tens of microseconds for the waker).
   alignas(64) std::atomic<uint32_t> sleepers;
+  // Set by the sender's progress thread before it sleeps with a send queued for lack of ring space; the
+  // receiver that frees space clears it and rings the sender (flow control without a spinning thread).
+  std::atomic<uint32_t> sender_waiting;
 };
 
 struct MsgHeader {
@@ -501,8 +504,13 @@ bool ShmProvider::drain_ring(int j) {
     }
   }
   rh->tail.store(tail, std::memory_order_release);
-  // No doorbell for the sender: a send waiting for ring space keeps its progress thread awake (progress_loop
-  // does not sleep while a send is queued), and a waiting sender thread polls the ring itself.
+  // The tail store against the sender's flag (Dekker with progress_loop): a sender whose progress thread went
+  // to sleep for lack of space is rung; otherwise it saw the space itself (or a thread of it polls the ring).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (rh->sender_waiting.load(std::memory_order_relaxed) != 0) {
+    rh->sender_waiting.store(0, std::memory_order_relaxed);
+    ring_doorbell(j);
+  }
   return true;
 }
 
@@ -532,8 +540,18 @@ void ShmProvider::progress_loop() {
       if (j == me_ || !alive_[size_t(j)].load()) continue;
       RingHeader* rh = own_->ring_header(j);
       work = rh->head.load() != rh->tail.load();
-      std::lock_guard<std::mutex> lock(out_[j]->mu);
-      work = work || !out_[j]->q.empty();
+      bool queued;
+      {
+        std::lock_guard<std::mutex> lock(out_[j]->mu);
+        queued = !out_[j]->q.empty();
+      }
+      if (queued && !work) {
+        // A send waits for space in j's ring: sleep until j's receiver frees some (it rings us when it sees
+        // the flag), instead of spinning on the cores the ranks compute on.
+        RingHeader* out = peers_[j]->ring_header(me_);
+        out->sender_waiting.store(1, std::memory_order_seq_cst);
+        work = out->head.load(std::memory_order_seq_cst) - out->tail.load(std::memory_order_seq_cst) < opt_.ring;
+      }
     }
     if (!work && c->doorbell.load(std::memory_order_seq_cst) == bell)
       futex_wait(&c->doorbell, bell, std::chrono::microseconds(100000));
