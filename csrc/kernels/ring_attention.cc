@@ -12,6 +12,9 @@
 // the log-sum-exp rule: lse = logaddexp(lse, lse_b); out = out·e^(lse_old−lse) + out_b·e^(lse_b−lse).
 // With a causal mask, every pair of (query chunk, key chunk) is classified by its global positions as fully
 // visible, fully masked (skipped) or diagonal (masked element-wise).
+// On mk with every peer on this host and no mask (CPU), the transfers would be copies on the cores the
+// attention needs, so nothing can overlap: the op then gathers K/V with one mk allgather and makes one
+// attention call over the whole sequence (R blocks in memory, as the unfused composition has).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/arange.h>
@@ -144,6 +147,24 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
 
   const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), s = q.size(2), d = q.size(3), g = hq / hkv;
   auto f32 = q.options().dtype(at::kFloat);
+  if (!causal && R > 1 && s > 0 && grp.is_mk() && !p.over_tcp() && q.device().is_cpu()) {
+    // Every peer on this host, no mask: the blocks would travel over shared memory, i.e. as copies on the
+    // cores the attention needs, so nothing overlaps; one mk allgather of the packed K/V and one attention
+    // call over the whole sequence cost less than R calls and R-1 merges (memory: R blocks, as unfused).
+    // Without a mask the order of the keys does not matter, so the layout (zigzag or not) needs no care.
+    at::Tensor mine = at::stack({k, v}).contiguous();  // [2, b, hkv, s, d]
+    at::Tensor all = at::empty({R, 2, b, hkv, s, d}, mine.options());
+    p.on_caller([&] { return p.allgather(mine, all); }).wait();
+    auto whole = [&](int64_t i) {  // [b, hq, R·s, d] in fp32, kv heads repeated for GQA
+      at::Tensor t = all.select(1, i).permute({1, 2, 0, 3, 4}).reshape({b, hkv, 1, R * s, d}).to(at::kFloat);
+      return t.expand({b, hkv, g, R * s, d}).reshape({b, hq, R * s, d});
+    };
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
+                                                                   std::nullopt, sc);
+    p.trace(c10::str("one host, no mask: allgather then one attention call over ", R * s, " keys"));
+    // (the kernel returns [b, s, h]-ordered strides; the op's outputs are contiguous, as its fake kernel says)
+    return {o.to(q.scalar_type()).contiguous(), l.contiguous()};
+  }
   at::Tensor q32 = q.to(at::kFloat).reshape({b, hkv, g, s, d});
   at::Tensor out = at::zeros({b, hkv, g, s, d}, f32);
   at::Tensor lse = at::full({b, hkv, g, s}, -std::numeric_limits<double>::infinity(), f32);

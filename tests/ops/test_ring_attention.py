@@ -6,13 +6,15 @@ Each world is started once and runs every case; the per-family results are asser
 failure names the family, world and transport. opcheck runs in the 2-rank shm world."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
 FAMILIES = ["attention", "errors", "opcheck"]
-worlds = WorldCache("attention_suite.py", timeout=240)
+worlds = WorldCache("attention_suite.py", timeout=240, env={"SUPERKERNEL_OPS_TRACE": "1"})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -21,3 +23,20 @@ def test_ring_attention(world: int, transport: str, family: str) -> None:
     args = ["--opcheck"] if (world, transport) == (2, "shm") else []
     problems = failures_of(worlds.reports(world, transport, args), family)
     assert not problems, "\n".join(problems[:20])
+
+
+MULTI = [(w, t) for w, t in MK_WORLDS if w > 1]
+
+
+@pytest.mark.parametrize("world,transport", MULTI, ids=[f"{w}ranks-{t}" for w, t in MULTI])
+def test_one_host_unmasked_path(world: int, transport: str) -> None:
+    """Over shared memory an unmasked call gathers K/V and runs one attention call (the op trace says so);
+    between hosts (tcp) the blocks circulate."""
+    seen = 0
+    for res in worlds.results(world, transport, ["--opcheck"] if (world, transport) == (2, "shm") else []):
+        gathered = re.findall(r"\[mk ring_attention rank \d+ call \d+\] one host, no mask", res.stderr)
+        if transport == "tcp":
+            assert not gathered, f"rank {res.rank}: the gather path ran over tcp"
+        seen += len(gathered)
+    if transport != "tcp":
+        assert seen, "no call took the one-host gather path"
