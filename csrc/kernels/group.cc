@@ -6,10 +6,12 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 #include "transport/comm.h"
 #include "transport/error.h"
+#include "transport/host.h"
 #include "transport/process_group.h"
 
 namespace mk::kernels {
@@ -62,9 +64,10 @@ std::string value_text(const char* field, int64_t v) {
   throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, uint32_t(__LINE__)}, msg);
 }
 
-// Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, then the fields.
+// Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, host identity (hash),
+// then the fields.
 constexpr int64_t kMagic = 0x6d6b616772656531;  // "mkagree1"
-constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHead = 8;
+constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8, kHead = 9;
 constexpr size_t kWords = 48;
 constexpr size_t kMaxFields = kWords - kHead;
 // Message tag of every agreement (bit 60: fused-op agreements; bit 61: fused-op data, pipeline.cc; bit 62:
@@ -78,6 +81,11 @@ void pack_name(const char* op, int64_t* out) {
   char name[kNameBytes] = {};
   std::strncpy(name, op, sizeof(name) - 1);
   std::memcpy(out, name, sizeof(name));
+}
+
+int64_t host_hash() {
+  static const int64_t h = int64_t(std::hash<std::string>()(host_identity()) & 0x7fffffffffffffffull);
+  return h;
 }
 
 std::string unpack_name(const int64_t* in) {
@@ -95,6 +103,8 @@ struct Agreement::State {
   std::string local_error;
   uint64_t seq;
   bool done = false;
+  bool same_host = false;
+  std::function<void(bool)> on_result;
   std::vector<int64_t> mine;   // kWords
   std::vector<int64_t> theirs; // size * kWords (rank q at q * kWords; own row unused on mk)
   // mk
@@ -123,6 +133,7 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   s.mine[kSeq] = int64_t(seq);
   s.mine[kCount] = int64_t(s.fields.size());
   s.mine[kOk] = s.local_error.empty() ? 1 : 0;
+  s.mine[kHost] = host_hash();
   for (size_t i = 0; i < s.fields.size(); ++i) s.mine[kHead + i] = s.fields[i].value;
   const int R = g.size;
   s.theirs.assign(size_t(R) * kWords, 0);
@@ -165,6 +176,10 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
 }
 
 Agreement::Agreement(Agreement&&) noexcept = default;
+
+bool Agreement::same_host() const { return s_ && s_->same_host; }
+
+void Agreement::on_result(std::function<void(bool)> fn) { s_->on_result = std::move(fn); }
 
 Agreement::~Agreement() {
   if (!s_ || s_->done) return;
@@ -222,7 +237,9 @@ std::vector<std::vector<int64_t>> Agreement::result() {
       }
     }
   }
-  return s.check();
+  auto all = s.check();
+  if (s.on_result) s.on_result(s.same_host);
+  return all;
 }
 
 std::vector<std::vector<int64_t>> Agreement::State::check() {
@@ -242,6 +259,8 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   for (int r = 0; r < R; ++r)
     TORCH_CHECK(row(r)[kOk] == 1, "mk ", op, ": rank ", r, " rejected its arguments (see rank ", r,
                 "'s error); no rank ran the op (this is rank ", g.rank, ")");
+  same_host = true;
+  for (int r = 0; r < R; ++r) same_host = same_host && row(r)[kHost] == mine[kHost];
   std::vector<std::vector<int64_t>> all(size_t(R), std::vector<int64_t>(fields.size()));
   for (int r = 0; r < R; ++r)
     for (size_t i = 0; i < fields.size(); ++i) all[size_t(r)][i] = row(r)[kHead + i];

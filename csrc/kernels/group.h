@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +72,11 @@ class Agreement {
   Agreement& operator=(const Agreement&) = delete;
 
   std::vector<std::vector<int64_t>> result();
+  // After result(): whether every rank of the group runs on this host (same host identity: hostname, boot id,
+  // network namespace). Every rank gets the same answer.
+  bool same_host() const;
+  // Called with same_host() by result() once the agreement succeeded (the pipeline learns the group's layout).
+  void on_result(std::function<void(bool same_host)> fn);
 
   struct State;
 

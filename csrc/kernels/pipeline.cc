@@ -44,6 +44,7 @@ struct GroupState {
   c10::weak_intrusive_ptr<c10d::Backend> backend{c10::intrusive_ptr<c10d::Backend>()};  // whose state this is
   std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
+  int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
 };
@@ -293,22 +294,32 @@ Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op), started_(Cl
 Pipeline::~Pipeline() { record_timing(); }
 
 std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, const std::string& local_error) {
-  return kernels::agree(g_, op_, fields, local_error, seq_);
+  return start_agree(std::move(fields), local_error).result();
 }
 
 Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error) {
-  return Agreement(g_, op_, std::move(fields), local_error, seq_);
+  Agreement a(g_, op_, std::move(fields), local_error, seq_);
+  if (!g_.is_mk()) {  // what the group's layout is, for one_host() of later calls (mk knows its transports)
+    auto key = key_of(g_);
+    a.on_result([key](bool same) {
+      std::lock_guard<std::mutex> lock(states_mu());
+      auto it = states().find(key);
+      if (it != states().end()) it->second.one_host = same ? 1 : 0;
+    });
+  }
+  return a;
 }
 
 int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   const int64_t hi = std::max<int64_t>(1, model.max_chunks);
   if (requested > 0) return std::min(requested, hi);
   if (g_.size == 1 || model.comm_bytes <= 0) return 1;
-  // Every peer on this host, CPU tensors: the "communication" is copies and reductions through shared memory
-  // on the cores the GEMM needs, so chunking only adds overhead (smaller GEMMs, more messages). Measured on
-  // 2 ranks, one chunk against the tuned count, two rounds: allgather_gemm 256^3 0.92-0.93x of the unfused
-  // composition against 0.86-0.94x, 1024^3 1.00x against 0.95-0.97x; gemm_allreduce level (0.95-1.00x).
-  if (g_.device.is_cpu() && !over_tcp()) return 1;
+  // Every peer on this host, CPU tensors: the "communication" is copies and reductions (through shared
+  // memory, or loopback TCP on Gloo) on the cores the GEMM needs, so chunking only adds overhead (smaller
+  // GEMMs, more messages). Measured on 2 ranks, one chunk against the tuned count, two rounds: mk
+  // allgather_gemm 256^3 0.92-0.93x of the unfused composition against 0.86-0.94x, 1024^3 1.00x against
+  // 0.95-0.97x; gemm_allreduce level (0.95-1.00x); Gloo gemm_reducescatter 1024x128x1024 with 3 chunks 0.61x.
+  if (g_.device.is_cpu() && one_host()) return 1;
   // Link estimate: measured (lane collectives on this group) when available, else by transport kind.
   double bw = 0, lat = 0;
   {
@@ -346,6 +357,13 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   for (size_t i = 1; i < t.candidates.size(); ++i)
     if (t.best_seconds[i] < t.best_seconds[best]) best = i;
   return t.candidates[best];
+}
+
+bool Pipeline::one_host() const {
+  if (g_.is_mk()) return !over_tcp();
+  std::lock_guard<std::mutex> lock(states_mu());
+  auto it = states().find(key_of(g_));
+  return it != states().end() && it->second.one_host == 1;
 }
 
 bool Pipeline::over_tcp() const {

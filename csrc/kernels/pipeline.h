@@ -101,6 +101,9 @@ class Pipeline {
   // True when some rank of the group is reached over tcp, or the group is not mk (whose backends are
   // assumed to cross a network): the same on every rank of a group that spans hosts.
   bool over_tcp() const;
+  // True when every rank of the group is on this host: mk knows it from its transports; other backends
+  // learn it from the host identities in the first completed agreement on the group (false until then).
+  bool one_host() const;
   // Sequence number of this op call on this group (the same on every rank; part of agree()'s descriptor).
   uint64_t seq() const { return seq_; }
 

@@ -121,3 +121,19 @@ def test_ring_paths(world: int, transport: str) -> None:
     else:
         assert seen.get(("gemm_allreduce", False)), seen
         assert seen.get(("gemm_reducescatter", False)) and seen.get(("automatic", False)), seen
+
+
+GLOO = [(w, t) for w, t in WORLDS if t == "gloo"]
+
+
+@pytest.mark.parametrize("world,transport", GLOO, ids=[f"{w}ranks-{t}" for w, t in GLOO])
+def test_gloo_learns_one_host(world: int, transport: str) -> None:
+    """On Gloo the pipeline cannot see where the ranks are; the host identities in the first agreement tell
+    it that every rank is on this host, and from then on an automatic chunk count is 1 (as on mk's shm)."""
+    for res in _worlds.results(world, transport, args_for(world, transport)):
+        autos = re.findall(r"\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call (\d+)\] .* "
+                           r"chunks=(\d+) \(proposed (\d+), automatic\)", res.stderr)
+        later = [(call, proposed) for call, _, proposed in autos if int(call) > 0]
+        assert later, f"rank {res.rank}: no automatic call after the first"
+        bad = [(call, p) for call, p in later if p != "1"]
+        assert not bad, f"rank {res.rank}: automatic proposals above 1 after the first call (call, proposal): {bad[:5]}"
