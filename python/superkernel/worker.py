@@ -423,6 +423,33 @@ def _without_torch(value: Any) -> Any:
     return value
 
 
+PIPE_BUF = 4096  # POSIX: a write of at most this many bytes to a pipe is not interleaved with others
+
+
+def _report_startup_failure(exc: BaseException) -> None:
+    """Print why this rank could not start as one write to stderr.
+
+    All ranks share the launcher's pipe; printed line by line, two ranks' tracebacks interleave and the kernel
+    can no longer find the cause. Frames are dropped from the middle until the text fits in one atomic write.
+    """
+    import traceback
+
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    data = "".join(lines).encode(errors="replace")
+    while len(data) > PIPE_BUF and len(lines) > 3:
+        del lines[1]
+        data = "".join(lines[:1] + ["  ...\n"] + lines[1:]).encode(errors="replace")
+    if len(data) > PIPE_BUF:  # a huge message: keep the header (the kernel looks for it) and the end
+        head = lines[0].encode()
+        data = head + data[len(data) - (PIPE_BUF - len(head)):]
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, data)
+    except OSError:
+        pass  # stderr is gone: the exit code still says the rank failed
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m superkernel.worker")
     p.add_argument("--connection-file", required=True)
@@ -431,7 +458,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("SUPERKERNEL_LOG_LEVEL", "INFO"),
                         format="[superkernel worker %(process)d] %(levelname)s %(message)s", stream=sys.__stderr__)
     info = ConnectionInfo.read(args.connection_file)
-    worker = Worker(info, args.flavor)
+    try:
+        worker = Worker(info, args.flavor)
+    except BaseException as e:
+        _report_startup_failure(e)
+        os._exit(1)
     try:
         worker.serve()
     finally:
