@@ -106,6 +106,17 @@ double gemm_flops_per_second(at::ScalarType t, const c10::Device& device) {
   return rate;
 }
 
+// What a collective hands to another thread (a backend's worker, the lane): a tensor of its own over the same
+// memory. That thread may drop its references after the op has returned; dropping a view releases its base,
+// which by then can be the op's output owned by a Python object, and that release needs the GIL (a Gloo
+// worker blocked on it stalls; at interpreter exit it calls std::terminate). A fresh alias has no base and no
+// Python object.
+at::Tensor handoff(const at::Tensor& t) {
+  at::Tensor alias = at::empty({0}, t.options());
+  alias.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  return alias;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Pending
@@ -181,19 +192,52 @@ void Pending::wait() {
         }
         break;
       }
-      auto pause = std::chrono::microseconds(5);
-      while (!s.work->isCompleted()) {
-        if (cancel_generation().load(std::memory_order_acquire) != s.generation)
-          throw_backend(cat(s.what, ": cancelled by an interrupt"));
-        if (dl.expired()) {
-          try {
-            s.work->abort();
-          } catch (...) {
-          }
-          throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
+      enum class Stop { none, interrupt, timeout };
+      auto stop_reason = [&s, &dl] {
+        if (cancel_generation().load(std::memory_order_acquire) != s.generation) return Stop::interrupt;
+        return dl.expired() ? Stop::timeout : Stop::none;
+      };
+      auto give_up = [&s](Stop why) {
+        if (why == Stop::interrupt) throw_backend(cat(s.what, ": cancelled by an interrupt"));
+        try {
+          s.work->abort();
+        } catch (...) {
         }
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, std::chrono::microseconds(500));
+        throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
+      };
+      // Woken by the work's future (Gloo's and NCCL's works complete one) the moment the collective ends,
+      // looking at interrupts and the deadline every 5 ms. Polling isCompleted() with back-off instead
+      // overshot the end of a ~1 ms Gloo collective by up to the last sleep (hundreds of microseconds).
+      c10::intrusive_ptr<c10::ivalue::Future> fut;
+      try {
+        fut = s.work->getFuture();
+      } catch (const std::exception&) {
+        // this work has no future: poll below
+      }
+      if (fut) {
+        std::weak_ptr<State> weak = state_;
+        fut->addCallback([weak](c10::ivalue::Future&) {
+          if (auto st = weak.lock()) {
+            {
+              std::lock_guard<std::mutex> lock(st->mu);
+              st->done = true;
+            }
+            st->cv.notify_all();
+          }
+        });
+        Stop why = Stop::none;
+        {
+          std::unique_lock<std::mutex> lock(s.mu);
+          while (!s.done && (why = stop_reason()) == Stop::none) s.cv.wait_for(lock, std::chrono::milliseconds(5));
+        }
+        if (why != Stop::none) give_up(why);  // (not under s.mu: aborting may complete the future and run the callback)
+      } else {
+        auto pause = std::chrono::microseconds(5);
+        while (!s.work->isCompleted()) {
+          if (Stop why = stop_reason(); why != Stop::none) give_up(why);
+          std::this_thread::sleep_for(pause);
+          pause = std::min(pause * 2, std::chrono::microseconds(200));
+        }
       }
       try {
         s.work->wait();
@@ -419,7 +463,7 @@ Pending Pipeline::p2p(const at::Tensor& t, int peer, uint32_t slot, bool is_recv
     }
     return Pending(std::move(st));
   }
-  std::vector<at::Tensor> v{t};
+  std::vector<at::Tensor> v{handoff(t)};
   const int tag = (1 << 30) | int((seq_ & 0x3ff) << 20) | int(slot);
   auto work = is_recv ? g_.backend->recv(v, peer, tag) : g_.backend->send(v, peer, tag);
   return backend_work(std::move(work), what.c_str(), peer, {t});
@@ -442,7 +486,7 @@ std::vector<Pending> Pipeline::exchange(const at::Tensor& out, int to, const at:
   const std::string what = cat("mk ", op_, ": batched send to peer ", to, " + recv from peer ", from, " (message ", slot, ")");
   // The works of the individual calls inside a coalesced group are not the group's completion (nccl returns
   // none); endCoalescing's work is, and waiting on it orders the caller's stream after the whole group.
-  std::vector<at::Tensor> o{out}, i{in};
+  std::vector<at::Tensor> o{handoff(out)}, i{handoff(in)};
   const int tag = (1 << 30) | int((seq_ & 0x3ff) << 20) | int(slot);
   g_.backend->startCoalescing();
   try {
@@ -521,7 +565,7 @@ Pending Pipeline::lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()
 Pending Pipeline::allreduce(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), "mk ", op_, ": allreduce buffer must be contiguous");
   auto backend = g_.backend;
-  auto issue = [backend, t] {
+  auto issue = [backend, t = handoff(t)] {
     std::vector<at::Tensor> v{t};
     return backend->allreduce(v, c10d::AllreduceOptions());
   };
@@ -534,8 +578,8 @@ Pending Pipeline::allreduce(const at::Tensor& t) {
 Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": reduce_scatter buffers must be contiguous");
   auto backend = g_.backend;
-  auto issue = [backend, in, out] {
-    at::Tensor i = in.view({-1}), o = out.view({-1});  // flat: Gloo compares shapes dimension by dimension
+  auto issue = [backend, in = handoff(in.view({-1})), out = handoff(out.view({-1}))] {
+    at::Tensor i = in, o = out;  // flat: Gloo compares shapes dimension by dimension
     return backend->_reduce_scatter_base(o, i, c10d::ReduceScatterOptions());
   };
   if (g_.is_mk()) return lane_collective(issue, "reduce_scatter", {in, out});
@@ -545,8 +589,8 @@ Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
 Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": allgather buffers must be contiguous");
   auto backend = g_.backend;
-  auto issue = [backend, in, out] {
-    at::Tensor i = in.view({-1}), o = out.view({-1});
+  auto issue = [backend, in = handoff(in.view({-1})), out = handoff(out.view({-1}))] {
+    at::Tensor i = in, o = out;
     return backend->_allgather_base(o, i, c10d::AllgatherOptions());
   };
   if (g_.is_mk()) return lane_collective(issue, "allgather", {in, out});
@@ -557,7 +601,7 @@ Pending Pipeline::alltoall(const at::Tensor& in, const at::Tensor& out, std::vec
                            std::vector<int64_t> in_splits) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": alltoall buffers must be contiguous");
   auto backend = g_.backend;
-  auto issue = [backend, in, out, out_splits, in_splits] {
+  auto issue = [backend, in = handoff(in), out = handoff(out), out_splits, in_splits] {
     at::Tensor i = in, o = out;
     auto os = out_splits, is = in_splits;
     return backend->alltoall_base(o, i, os, is, c10d::AllToAllOptions());
