@@ -196,7 +196,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // unfused against 0.97-1.03x.)
   const int64_t C = ga.chunks();
   at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
-  at::Tensor gathered = at::empty({R * m, k}, a.options());
+  // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer)
+  at::Tensor gathered = return_gathered ? at::empty({R * m, k}, a.options()) : scratch(R * m, k, a.options());
   at::Tensor c = at::empty({R * m, n}, a.options());
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
   if (R > 1 && (!g.is_mk() || !p.over_tcp())) {

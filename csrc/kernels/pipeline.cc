@@ -632,6 +632,15 @@ std::pair<int64_t, int64_t> chunk_range(int64_t n, int64_t chunks, int64_t i) {
   return {begin, begin + base + (i < extra ? 1 : 0)};
 }
 
+at::Tensor scratch(int64_t rows, int64_t cols, const at::TensorOptions& opts) {
+  const size_t bytes = size_t(std::max<int64_t>(rows * cols, 0)) * c10::elementSize(opts.dtype().toScalarType());
+  if (!opts.device().is_cpu() || bytes > kScratchBytes) return at::empty({rows, cols}, opts);
+  thread_local std::map<at::ScalarType, at::Tensor> kept;
+  at::Tensor& buf = kept[opts.dtype().toScalarType()];
+  if (!buf.defined() || size_t(buf.numel()) < size_t(rows * cols)) buf = at::empty({rows * cols}, opts);
+  return buf.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
 at::ScalarType accumulate_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }

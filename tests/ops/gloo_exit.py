@@ -22,7 +22,7 @@ def main() -> None:
     for chunks in (1, 2, 3):  # several chunks: each collective works on a view of the output
         sums.append(float(mk.gemm_allreduce(a, b, chunks=chunks).sum()))
         sums.append(float(mk.gemm_reducescatter(a, b, chunks=chunks).sum()))
-        sums.append(float(mk.allgather_gemm(a, b, chunks=chunks)[0].sum()))
+        sums.append(float(mk.allgather_gemm(a, b, chunks=chunks).sum()))
     y = mk.gemm_allreduce(a, b, chunks=2)  # the last op's output stays alive until the interpreter exits
     print("REPORT " + json.dumps({"rank": rank, "world": world, "sums": sums, "last": float(y.sum())}), flush=True)
 
