@@ -65,11 +65,13 @@ int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d)
 class GemmAgreement {
  public:
   GemmAgreement(Pipeline& p, const at::Tensor& a, const char* k_name, bool k_must_match, int64_t m, int64_t k,
-                int64_t n, int64_t requested, ChunkModel model, const std::string& err, std::vector<Field> extra = {})
+                int64_t n, bool n_must_match, int64_t requested, ChunkModel model, const std::string& err,
+                std::vector<Field> extra = {})
       : p_(p), dtype_(a.scalar_type()), k_name_(k_name), m_(m), k_(k), n_(n), requested_(requested) {
     model.dtype = a.scalar_type();
     proposal_ = err.empty() ? p.chunks(requested, model) : 1;
-    std::vector<Field> fields{{"m", m}, {k_name, k, k_must_match}, {"n", n}, {"dtype", dtype_code(a.scalar_type())}};
+    std::vector<Field> fields{{"m", m}, {k_name, k, k_must_match}, {"n", n, n_must_match},
+                              {"dtype", dtype_code(a.scalar_type())}};
     fields.insert(fields.end(), extra.begin(), extra.end());
     fields.push_back({"chunks", proposal_, false});
     for (const auto& f : extra) extra_ += c10::str(" ", f.name, "=", f.value);
@@ -189,8 +191,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.comm_bytes = double(R - 1) * double(std::max<int64_t>(m, 0)) * double(std::max<int64_t>(k, 0)) * a_in.element_size();
   model.flops = 2.0 * R * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, m);
-  GemmAgreement ga(p, a_in, "k", true, m, k, n, chunks, model, err,
-                   {{"return_gathered", int64_t(return_gathered), false}});
+  // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
+  GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
+                   {{"return_gathered", int64_t(return_gathered), true}});
   // (No product starts before the agreement here: computing this rank's own rows first splits the GEMM in
   // two, which measured slower on one host than the exchange it would hide: 256^3 on 2 ranks 0.92-0.94x of
   // unfused against 0.97-1.03x.)
@@ -292,7 +295,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const int R = g.size;
   const bool ring = err.empty() && R > 1 && m > 0 && m % R == 0 && g.is_mk() && p.over_tcp();
   if (ring) model.max_chunks = std::max<int64_t>(1, m / R);
-  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, chunks, model, err, {{"ring", int64_t(ring), true}});
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc;
   auto prepare = [&] {
@@ -377,7 +380,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // thread, as unfused). Measured on 2 ranks, one host: 256x256x256 0.93x of unfused against 0.85x as a ring,
   // 512x256x512 0.96-0.97x against 0.96-1.00x; 1024x1024x1024 0.99x against 0.79-0.94x.
   const bool ring = g.is_mk() && R > 1 && p.over_tcp();
-  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, chunks, model, err, {{"ring", int64_t(ring), true}});
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc_out, full;
   auto prepare = [&] {

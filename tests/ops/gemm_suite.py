@@ -1,6 +1,6 @@
 """Runs inside every rank of a world (tests/transport/world.py): the three GEMM+collective ops against the
 unfused reference computed in float64 from every rank's inputs, over random and awkward shapes, every dtype
-and several chunk counts; optionally the cross-rank mismatch errors, torch.library.opcheck and a
+and several chunk counts; gradients against float64 autograd of the whole sum of the ranks' losses; optionally the cross-rank mismatch errors, torch.library.opcheck and a
 torch.compile(fullgraph=True) trace. Prints one REPORT line: failures per family, result digests (the test
 compares them across ranks), and timings.
 
@@ -193,6 +193,94 @@ def run_disagreements() -> None:
         "gemm_allreduce" if rank else "allgather_gemm"))
 
 
+# ---------------------------------------------------------------- gradients
+# The loss is the sum of every rank's loss L_p = sum(c_p * w_p) (w_p random per rank); the reference
+# builds every rank's inputs in float64, computes the whole sum and backpropagates it locally.
+
+
+def _leaves(key: str, shapes_by_rank: list[tuple[int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    return [rank_tensor(key, r, shp, dtype).double().requires_grad_() for r, shp in enumerate(shapes_by_rank)]
+
+
+def _compare(name_grads: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], dtype: torch.dtype) -> str:
+    problems = []
+    for name, got, ref in name_grads:
+        if (got is None) != (ref is None):
+            problems.append(f"{name}: gradient {'missing' if got is None else 'unexpected'}")
+        elif got is not None:
+            p = mismatch(got, ref, dtype)
+            if p:
+                problems.append(f"{name}: {p}")
+    return "; ".join(problems)
+
+
+def grad_allgather_gemm_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int, gathered: bool,
+                             b_grad: bool) -> str:
+    key = f"g-ag/{m}/{k}/{n}"
+    A = _leaves(key + "/a", [(m, k)] * world, dtype)
+    B = _leaves(key + "/b", [(k, n)] * world, dtype)
+    W = [rank_tensor(key + "/w", r, (world * m, n), dtype).double() for r in range(world)]
+    V = [rank_tensor(key + "/v", r, (world * m, k), dtype).double() for r in range(world)]
+    G = torch.cat(A)
+    ref_loss = sum((G @ B[p] * W[p]).sum() + ((G * V[p]).sum() if gathered else 0) for p in range(world))
+    ref_loss.backward()
+    a = A[rank].detach().to(dtype).requires_grad_()
+    b = B[rank].detach().to(dtype).requires_grad_(b_grad)
+    out = mk.allgather_gemm(a, b, return_gathered=gathered, chunks=chunks)
+    c, g = out if gathered else (out, None)
+    loss = (c * W[rank].to(dtype)).sum() + ((g * V[rank].to(dtype)).sum() if gathered else 0)
+    loss.backward()
+    return _compare([("grad a", a.grad, A[rank].grad), ("grad b", b.grad, B[rank].grad if b_grad else None)], dtype)
+
+
+def grad_gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int) -> str:
+    key = f"g-ar/{m}/{k}/{n}"
+    A = _leaves(key + "/a", [(m, k_of(r, k)) for r in range(world)], dtype)
+    B = _leaves(key + "/b", [(k_of(r, k), n) for r in range(world)], dtype)
+    W = [rank_tensor(key + "/w", r, (m, n), dtype).double() for r in range(world)]
+    S = sum(x @ y for x, y in zip(A, B))
+    sum((S * W[p]).sum() for p in range(world)).backward()
+    a, b = A[rank].detach().to(dtype).requires_grad_(), B[rank].detach().to(dtype).requires_grad_()
+    (mk.gemm_allreduce(a, b, chunks=chunks) * W[rank].to(dtype)).sum().backward()
+    return _compare([("grad a", a.grad, A[rank].grad), ("grad b", b.grad, B[rank].grad)], dtype)
+
+
+def grad_gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int) -> str:
+    m = mb * world
+    key = f"g-rs/{m}/{k}/{n}"
+    A = _leaves(key + "/a", [(m, k_of(r, k)) for r in range(world)], dtype)
+    B = _leaves(key + "/b", [(k_of(r, k), n) for r in range(world)], dtype)
+    W = [rank_tensor(key + "/w", r, (mb, n), dtype).double() for r in range(world)]
+    S = sum(x @ y for x, y in zip(A, B))
+    sum((S[p * mb:(p + 1) * mb] * W[p]).sum() for p in range(world)).backward()
+    a, b = A[rank].detach().to(dtype).requires_grad_(), B[rank].detach().to(dtype).requires_grad_()
+    (mk.gemm_reducescatter(a, b, chunks=chunks) * W[rank].to(dtype)).sum().backward()
+    return _compare([("grad a", a.grad, A[rank].grad), ("grad b", b.grad, B[rank].grad)], dtype)
+
+
+def run_grads() -> None:
+    for (m, k, n), dtype, chunks in [((5, 3, 4), torch.float32, 0), ((7, 13, 5), torch.float32, 3),
+                                     ((33, 64, 17), torch.bfloat16, 0), ((1, 1, 1), torch.float16, 1)]:
+        name = f"m={m} k={k} n={n} {dtype} chunks={chunks}"
+        for gathered, b_grad in [(False, True), (True, True), (False, False)]:
+            check("grad", f"allgather_gemm {name} return_gathered={gathered} b.requires_grad={b_grad}",
+                  lambda: grad_allgather_gemm_case(m, k, n, dtype, chunks, gathered, b_grad))
+        check("grad", f"gemm_allreduce {name}", lambda: grad_gemm_allreduce_case(m, k, n, dtype, chunks))
+        check("grad", f"gemm_reducescatter {name}", lambda: grad_gemm_reducescatter_case(m, k, n, dtype, chunks))
+    check("grad", "ring_attention backward raises", no_backward_through_ring_attention)
+
+
+def no_backward_through_ring_attention() -> str:
+    """An op without a backward must refuse, not pass zero gradients through with a warning."""
+    q = rank_tensor("g-attn/q", rank, (1, 2, 8, 4), torch.float32).requires_grad_()
+    o, _lse = mk.ring_attention(q, q.detach(), q.detach())
+    try:
+        o.sum().backward()
+    except NotImplementedError as e:
+        return "" if "mk::ring_attention has no backward" in str(e) else f"unexpected message: {e}"
+    return f"backward passed (q.grad {'set' if q.grad is not None else 'unset'})"
+
+
 # ---------------------------------------------------------------- opcheck and compile
 
 
@@ -206,6 +294,15 @@ def run_opcheck() -> None:
         (torch.ops.mk.gemm_reducescatter.default, (torch.randn(m, 3), torch.randn(3, 4), name, 2)),
         (torch.ops.mk.gemm_allreduce.default, (torch.randn(5, 3, dtype=torch.bfloat16),
                                                torch.randn(3, 4, dtype=torch.bfloat16), name, 0)),
+        # inputs that require gradients: opcheck then also checks the autograd registration (gemm_grad.py)
+        (torch.ops.mk.allgather_gemm.default, (torch.randn(3, 5, requires_grad=True),
+                                               torch.randn(5, 4, requires_grad=True), name, False, 0)),
+        (torch.ops.mk.allgather_gemm.default, (torch.randn(3, 5, requires_grad=True),
+                                               torch.randn(5, 4, requires_grad=True), name, True, 0)),
+        (torch.ops.mk.gemm_allreduce.default, (torch.randn(5, 3, requires_grad=True),
+                                               torch.randn(3, 4, requires_grad=True), name, 0)),
+        (torch.ops.mk.gemm_reducescatter.default, (torch.randn(m, 3, requires_grad=True),
+                                                   torch.randn(3, 4, requires_grad=True), name, 0)),
     ]
     for op, args in cases:
         torch.manual_seed(0)  # same random inputs on every rank are fine: opcheck only compares shapes/metadata
@@ -250,6 +347,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
     run_ops(args.large)
+    run_grads()
     if args.errors:
         run_errors()
     if args.opcheck:

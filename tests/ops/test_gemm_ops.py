@@ -11,7 +11,7 @@ import pytest
 from tests.ops.ops_world import HERE, MK_WORLDS, WorldCache, failures_of
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
-OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty"]
+OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
 _worlds = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from superkernel import _C as _C  # noqa: F401  (loading the extension registers torch.ops.mk.*)
 from superkernel.ops.gemm import allgather_gemm, gemm_allreduce, gemm_reducescatter
 from superkernel.ops.group_names import group_name
+from superkernel.ops import autograd as _autograd  # noqa: F401  (registers the ops' autograd formulas)
 
 __all__ = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "group_name"]
 from superkernel.ops.moe import moe_combine, moe_dispatch_gemm  # noqa: E402

@@ -1,0 +1,119 @@
+"""Autograd formulas of the GEMM ops (registered with ``torch.library.register_autograd``), and a backward
+that raises for the ops that have none yet (MoE, ring attention).
+
+Convention: the loss is the sum of every rank's loss, as for ``torch.distributed.nn.functional`` (the
+gradient of an output that every rank holds is summed over the ranks). With it the backward of each op is
+again a fused op or one collective plus local products:
+
+* ``allgather_gemm``: c_p = G @ b_p with G = cat_r a_r. grad a_r = rows r of sum_p dc_p @ b_p^T =
+  ``gemm_reducescatter(dc, b^T)``; grad b_p = G^T @ dc_p (G saved when the forward returned it, else
+  gathered again, as Megatron's sequence parallelism does to save memory); with ``return_gathered`` (which
+  must be the same on every rank) the gradient of ``gathered`` adds its reduce-scatter to grad a.
+* ``gemm_allreduce``: c = sum_r a_r @ b_r on every rank. With ds = sum_p dc_p (one allreduce):
+  grad a_r = ds @ b_r^T, grad b_r = a_r^T @ ds. (Megatron's row-parallel layer instead treats dc as already
+  identical on every rank and skips the allreduce: under this convention that is dc / R per rank.)
+* ``gemm_reducescatter``: c_p = rows p of sum_q a_q @ b_q. The gradient of every partial product is
+  cat_p dc_p, so ``allgather_gemm(dc, b^T, return_gathered=True)`` gives grad a_q and the gathered dc for
+  grad b_q = a_q^T @ cat_p dc_p.
+
+The collectives of a backward depend only on the op's agreed arguments, except one: allgather_gemm gathers
+its input again when b needs a gradient and the forward did not return the gathered rows. Like any
+distributed autograd, this assumes every rank's inputs require gradients alike.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from superkernel.ops.group_names import group_size
+
+_fc = torch.ops._c10d_functional
+
+
+def _all_gather(t: torch.Tensor, name: str) -> torch.Tensor:
+    return _fc.wait_tensor(_fc.all_gather_into_tensor(t.contiguous(), group_size(name), name))
+
+
+def _reduce_scatter(t: torch.Tensor, name: str) -> torch.Tensor:
+    return _fc.wait_tensor(_fc.reduce_scatter_tensor(t.contiguous(), "sum", group_size(name), name))
+
+
+def _all_reduce(t: torch.Tensor, name: str) -> torch.Tensor:
+    return _fc.wait_tensor(_fc.all_reduce(t.contiguous(), "sum", name))
+
+
+# ------------------------------------------------------------------------------------------ allgather_gemm
+def _allgather_gemm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    a, b, name, return_gathered, chunks = inputs
+    ctx.name, ctx.chunks, ctx.return_gathered = name, chunks, bool(return_gathered)
+    ctx.save_for_backward(a, b, output[1] if return_gathered else None)
+
+
+def _allgather_gemm_backward(ctx: Any, dc: torch.Tensor | None, dgathered: torch.Tensor | None) -> tuple:
+    a, b, gathered = ctx.saved_tensors
+    if dc is None:   # only `gathered` was used
+        dc = a.new_zeros((group_size(ctx.name) * a.shape[0], b.shape[1]))
+    dc = dc.contiguous()
+    grad_a = torch.ops.mk.gemm_reducescatter(dc, b.t().contiguous(), ctx.name, ctx.chunks)
+    if ctx.return_gathered:  # (agreed across ranks, so every rank runs this reduce-scatter or none does)
+        grad_a = grad_a + _reduce_scatter(a.new_zeros(gathered.shape) if dgathered is None else dgathered, ctx.name)
+    grad_b = None
+    if ctx.needs_input_grad[1]:
+        grad_b = (gathered if gathered is not None else _all_gather(a, ctx.name)).t() @ dc
+    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None, None
+
+
+# ------------------------------------------------------------------------------------------ gemm_allreduce
+def _gemm_allreduce_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    a, b, name, _chunks = inputs
+    ctx.name = name
+    ctx.save_for_backward(a, b)
+
+
+def _gemm_allreduce_backward(ctx: Any, dc: torch.Tensor) -> tuple:
+    a, b = ctx.saved_tensors
+    ds = _all_reduce(dc, ctx.name)
+    grad_a = ds @ b.t() if ctx.needs_input_grad[0] else None
+    grad_b = a.t() @ ds if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None
+
+
+# -------------------------------------------------------------------------------------- gemm_reducescatter
+def _gemm_reducescatter_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    a, b, name, chunks = inputs
+    ctx.name, ctx.chunks = name, chunks
+    ctx.save_for_backward(a, b)
+
+
+def _gemm_reducescatter_backward(ctx: Any, dc: torch.Tensor) -> tuple:
+    a, b = ctx.saved_tensors
+    grad_a, gathered = torch.ops.mk.allgather_gemm(dc.contiguous(), b.t().contiguous(), ctx.name, True, ctx.chunks)
+    grad_b = a.t() @ gathered if ctx.needs_input_grad[1] else None
+    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
+
+
+torch.library.register_autograd("mk::allgather_gemm", _allgather_gemm_backward, setup_context=_allgather_gemm_setup)
+torch.library.register_autograd("mk::gemm_allreduce", _gemm_allreduce_backward, setup_context=_gemm_allreduce_setup)
+torch.library.register_autograd("mk::gemm_reducescatter", _gemm_reducescatter_backward,
+                                setup_context=_gemm_reducescatter_setup)
+
+
+# ------------------------------------------------------------------------- ops without a backward (yet)
+def _no_backward(op: str) -> Any:
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        raise NotImplementedError(f"mk::{op} has no backward yet (only allgather_gemm, gemm_allreduce and "
+                                  f"gemm_reducescatter are differentiable); detach its inputs or compute this "
+                                  f"part without the fused op")
+
+    return backward
+
+
+def _nothing_to_save(ctx: Any, inputs: tuple, output: Any) -> None:
+    pass
+
+
+# Without a registration, autograd would pass through these ops with a warning and silently wrong (zero)
+# gradients; with it, backward() fails and says why.
+for _op in ("moe_dispatch_gemm", "moe_combine", "ring_attention"):
+    torch.library.register_autograd(f"mk::{_op}", _no_backward(_op), setup_context=_nothing_to_save)
