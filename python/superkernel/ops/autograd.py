@@ -10,8 +10,8 @@ again a fused op or one collective plus local products:
   gathered again, as Megatron's sequence parallelism does to save memory); with ``return_gathered`` (which
   must be the same on every rank) the gradient of ``gathered`` adds its reduce-scatter to grad a.
 * ``gemm_allreduce``: c = sum_r a_r @ b_r on every rank. With ds = sum_p dc_p (one allreduce):
-  grad a_r = ds @ b_r^T, grad b_r = a_r^T @ ds. (Megatron's row-parallel layer instead treats dc as already
-  identical on every rank and skips the allreduce: under this convention that is dc / R per rank.)
+  grad a_r = ds @ b_r^T, grad b_r = a_r^T @ ds. (Megatron's row-parallel layer skips that allreduce: it
+  counts the loss once, not once per rank, and takes dc as identical on every rank.)
 * ``gemm_reducescatter``: c_p = rows p of sum_q a_q @ b_q. The gradient of every partial product is
   cat_p dc_p, so ``allgather_gemm(dc, b^T, return_gathered=True)`` gives grad a_q and the gathered dc for
   grad b_q = a_q^T @ cat_p dc_p.
