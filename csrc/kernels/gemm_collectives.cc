@@ -82,8 +82,8 @@ class GemmAgreement {
   int64_t chunks() {
     const int64_t C = agreement_->result()[0].back();
     p_.use_chunks(C);
-    p_.trace(c10::str("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
-                      requested_ > 0 ? ", requested" : ", automatic", ")", extra_));
+    p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
+             requested_ > 0 ? ", requested" : ", automatic", ")", extra_);
     return C;
   }
 

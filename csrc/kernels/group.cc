@@ -278,9 +278,4 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   return all;
 }
 
-std::vector<std::vector<int64_t>> agree(const Group& g, const char* op, const std::vector<Field>& fields,
-                                        const std::string& local_error, uint64_t seq) {
-  return Agreement(g, op, fields, local_error, seq).result();
-}
-
 }  // namespace mk::kernels

@@ -84,10 +84,6 @@ class Agreement {
   std::unique_ptr<State> s_;
 };
 
-// Agreement(...).result() at once: exchange and check before anything else happens.
-std::vector<std::vector<int64_t>> agree(const Group& g, const char* op, const std::vector<Field>& fields,
-                                        const std::string& local_error, uint64_t seq);
-
 // A dtype as a small integer for descriptors, and back to its name for messages.
 int64_t dtype_code(at::ScalarType t);
 

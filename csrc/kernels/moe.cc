@@ -204,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
     const int64_t piece = g.device.is_cpu() ? kCpuStepBytes : kPieceBytes;
     const int64_t P = std::clamp<int64_t>((max_pair * row_bytes + piece - 1) / piece, 1,
                                           std::min<int64_t>(16, std::max<int64_t>(1, max_pair)));
-    p.trace(c10::str("alltoall_base path: ", moved, " rows cross ranks in ", moved ? P : 0, " steps"));
+    p.trace("alltoall_base path: ", moved, " rows cross ranks in ", moved ? P : 0, " steps");
     // Send buffer in (step, destination) order, gathered from routed in one index_select; the receive buffer
     // in (step, source) order.
     std::vector<int64_t> order;
@@ -397,8 +397,8 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     }
     const at::Tensor outbox = yc.index_select(0, longs(order, y.device()));
     p.publish(outbox);
-    p.trace(c10::str("alltoall_base path: ", outbox.size(0) - n_back[size_t(me)], " rows out, ",
-                     t * K - n_home[size_t(me)], " rows in"));
+    p.trace("alltoall_base path: ", outbox.size(0) - n_back[size_t(me)], " rows out, ", t * K - n_home[size_t(me)],
+            " rows in");
     alltoall_step(p, outbox, home, out_splits, in_splits).wait();
   } else {
     // mk: one message per (peer, expert segment), straight from y into `home` (no staging copies).

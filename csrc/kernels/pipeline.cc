@@ -610,12 +610,16 @@ Pending Pipeline::alltoall(const at::Tensor& in, const at::Tensor& out, std::vec
   return backend_work(issue(), cat("mk ", op_, ": alltoall").c_str(), -1, {in, out});
 }
 
-void Pipeline::trace(const std::string& what) const {
+bool Pipeline::tracing() {
   static const bool on = [] {
     const char* v = std::getenv("SUPERKERNEL_OPS_TRACE");
     return v && *v && std::string(v) != "0";
   }();
-  if (on) std::fprintf(stderr, "[mk %s rank %d call %llu] %s\n", op_, g_.rank, (unsigned long long)seq_, what.c_str());
+  return on;
+}
+
+void Pipeline::emit_trace(const std::string& line) const {
+  std::fprintf(stderr, "[mk %s rank %d call %llu] %s\n", op_, g_.rank, (unsigned long long)seq_, line.c_str());
 }
 
 void Pipeline::publish(const at::Tensor& t) {

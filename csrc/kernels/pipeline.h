@@ -162,8 +162,12 @@ class Pipeline {
     return issue();
   }
 
-  // SUPERKERNEL_OPS_TRACE=1: one line per op call on stderr (op, rank, shape, agreed chunk count).
-  void trace(const std::string& what) const;
+  // SUPERKERNEL_OPS_TRACE=1: one line per op call on stderr (op, rank, shape, agreed chunk count). The
+  // arguments are formatted (c10::str) only when tracing is on: calls sit on every op's path.
+  template <typename... Args>
+  void trace(const Args&... what) const {
+    if (tracing()) emit_trace(c10::str(what...));
+  }
 
   // Make what the caller's stream computed into `t` visible to communication issued after this call.
   // No-op on CPU and for stream-aware backends (nccl).
@@ -229,6 +233,8 @@ class Pipeline {
   std::chrono::steady_clock::time_point started_;
   Tuner* tuner_ = nullptr;  // set by chunks() for automatic counts; owned by the group's state
   int64_t chunks_used_ = 0;
+  static bool tracing();
+  void emit_trace(const std::string& line) const;
   bool inline_ = false;  // the next lane collective runs on the caller's thread (lane idle, nothing to overlap)
 };
 

@@ -161,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     };
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
                                                                    std::nullopt, sc);
-    p.trace(c10::str("one host, no mask: allgather then one attention call over ", R * s, " keys"));
+    p.trace("one host, no mask: allgather then one attention call over ", R * s, " keys");
     // (the kernel returns [b, s, h]-ordered strides; the op's outputs are contiguous, as its fake kernel says)
     return {o.to(q.scalar_type()).contiguous(), l.contiguous()};
   }
