@@ -1,7 +1,8 @@
 """Runs inside every rank of a world (tests/transport/world.py): mk.ring_attention for many shapes, dtypes
 and options, each checked against torch.nn.functional.scaled_dot_product_attention over the whole sequence
 in float64 (every rank regenerates the global q, k, v from a shared seed and takes its own positions), plus
-the log-sum-exp against a float64 reference, mismatched calls that must fail on every rank, and (with
+the log-sum-exp against a float64 reference, gradients (of out and lse) against float64 autograd of the
+reference, mismatched calls that must fail on every rank, and (with
 --opcheck) torch.library.opcheck. Prints one REPORT line: per family, the failures (empty when all passed).
 
 Usage: attention_suite.py [--backend mk|gloo] [--opcheck]
@@ -24,6 +25,8 @@ import superkernel  # noqa: F401  (registers "mk")
 from superkernel.ops.attention import ring_attention, zigzag_positions
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+# Gradients go through the rounded output (D = rowsum(dout * out)), one more rounding than the forward.
+GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (batch, query heads, kv heads, local sequence, head_dim)
 SHAPES = [(1, 1, 1, 1, 4), (2, 4, 2, 5, 8), (1, 6, 2, 7, 16), (2, 3, 1, 13, 5), (1, 4, 4, 6, 8), (1, 2, 1, 10, 3)]
@@ -83,6 +86,38 @@ def check_case(shape: tuple, dtype: torch.dtype, causal: bool, zigzag: bool, sca
             failures["attention"].append(f"{name}: {what}: {problem}")
 
 
+def grad_case(shape: tuple, dtype: torch.dtype, causal: bool, zigzag: bool, scale: float | None,
+              use_lse: bool, kv_grad: bool) -> None:
+    """Gradients of the sum over ranks of L_p = sum(out_p * W_p) (+ sum(lse_p * U_p)) against float64
+    autograd through the reference over the whole sequence."""
+    b, hq, hkv, s, d = shape
+    name = f"{shape} {dtype} causal={causal} zigzag={zigzag} scale={scale} lse={use_lse} kv_grad={kv_grad}"
+    gen = generator(f"attn-grad/{shape}/{dtype}")
+    n = world * s
+    q, k, v, w = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64).to(dtype) for h in (hq, hkv, hkv, hq))
+    u = torch.randn(b, hq, n, generator=gen, dtype=torch.float64)
+    Q, K, V = (t.double().requires_grad_() for t in (q, k, v))
+    want_out, want_lse = reference(Q, K, V, causal, scale)
+    ((want_out * w.double()).sum() + ((want_lse * u).sum() if use_lse else 0)).backward()
+    pos = positions(rank, s, zigzag)
+    mine = [t[:, :, pos].contiguous().to(device) for t in (q, k, v)]
+    lq, lk, lv = mine[0].requires_grad_(), mine[1].requires_grad_(kv_grad), mine[2].requires_grad_(kv_grad)
+    out, lse = ring_attention(lq, lk, lv, causal=causal, scale=scale, zigzag=zigzag)
+    loss = (out * w[:, :, pos].to(device)).sum()
+    if use_lse:
+        loss = loss + (lse * u[:, :, pos].float().to(device)).sum()
+    loss.backward()
+    for what, leaf, ref in (("dq", lq, Q.grad), ("dk", lk, K.grad), ("dv", lv, V.grad)):
+        if not leaf.requires_grad:
+            if leaf.grad is not None:
+                failures["grad"].append(f"{name}: {what} set on a tensor that does not require grad")
+            continue
+        if leaf.grad is None or leaf.grad.dtype != dtype:
+            failures["grad"].append(f"{name}: {what} {'missing' if leaf.grad is None else leaf.grad.dtype}")
+        elif problem := close(leaf.grad.cpu(), ref[:, :, pos], GRAD_TOL[dtype]):
+            failures["grad"].append(f"{name}: {what}: {problem}")
+
+
 def expect_error(family: str, name: str, fn, needle: str) -> None:
     try:
         fn()
@@ -113,15 +148,19 @@ def check_opcheck() -> None:
     q = torch.randn(1, 4, 6, 8)
     k = torch.randn(1, 2, 6, 8)
     name = dist.distributed_c10d._get_default_group().group_name
-    for causal, zigzag in ((False, False), (True, True)):
+    for causal, zigzag, grad in ((False, False, False), (True, True, False), (False, False, True),
+                                 (True, True, True)):
+        # with inputs that require grad, opcheck also checks the autograd registration
+        args = (q.requires_grad_(grad), k.requires_grad_(grad), k.detach().requires_grad_(grad))
         try:
-            torch.library.opcheck(torch.ops.mk.ring_attention.default, (q, k, k, name, causal, None, zigzag))
+            torch.library.opcheck(torch.ops.mk.ring_attention.default, (*args, name, causal, None, zigzag))
         except Exception:
-            failures["opcheck"].append(f"causal={causal} zigzag={zigzag}: {traceback.format_exc(limit=3)}")
+            failures["opcheck"].append(f"causal={causal} zigzag={zigzag} grad={grad}: "
+                                       f"{traceback.format_exc(limit=3)}")
 
 
 def run(opcheck: bool) -> None:
-    families = {"attention": [], "errors": [], "opcheck": []}
+    families = {"attention": [], "grad": [], "errors": [], "opcheck": []}
     for dtype in DTYPES:
         for shape in SHAPES:
             for causal in (False, True):
@@ -132,6 +171,18 @@ def run(opcheck: bool) -> None:
                     except Exception:
                         failures["attention"].append(f"{shape} {dtype} causal={causal} zigzag={zigzag}: "
                                                      f"{traceback.format_exc(limit=4)}")
+    for shape, dtype in ((SHAPES[1], torch.float32), (SHAPES[2], torch.float32), (SHAPES[3], torch.bfloat16),
+                         (SHAPES[4], torch.float16), (SHAPES[0], torch.float32)):
+        for causal, zigzag in ((False, False), (True, False), (True, True)):
+            if zigzag and shape[3] % 2:
+                continue
+            for use_lse, kv_grad in ((True, True), (False, True), (True, False)):
+                scale = 0.3 if shape[4] == 5 else None
+                try:
+                    grad_case(shape, dtype, causal, zigzag, scale, use_lse, kv_grad)
+                except Exception:
+                    failures["grad"].append(f"{shape} {dtype} causal={causal} zigzag={zigzag} lse={use_lse}: "
+                                            f"{traceback.format_exc(limit=4)}")
     check_errors()
     if opcheck:
         check_opcheck()

@@ -3,7 +3,7 @@ for many routings (uniform, all tokens to one rank so the others receive none, a
 ranks, top-1 .. top-3), shapes and dtypes, each checked against the unfused computation in float64: every
 rank regenerates every rank's tokens, expert ids and weights from a shared seed, so it knows exactly which
 rows it must receive, in which order (local expert, source rank, token, choice), and what combine must give
-back. Also mismatched calls that must fail on every rank, and (with --opcheck) torch.library.opcheck,
+back; gradients of both ops against float64 autograd of the sum of every rank's loss. Also mismatched calls that must fail on every rank, and (with --opcheck) torch.library.opcheck,
 (with --compile) torch.compile(fullgraph=True).
 Prints one REPORT line: per family, the failures (empty when all passed).
 
@@ -116,6 +116,62 @@ def check_case(case: str, dtype: torch.dtype) -> None:
         failures["combine"].append(f"{name}: {problem}")
 
 
+GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+GRAD_CASES = ["uniform", "top1-awkward", "top3-one-expert-per-rank", "empty-and-single-token", "all-to-rank-0",
+              "all-local", "several-pieces"]
+
+
+def loss_weights(case: str, r: int, n_recv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's weights of its y [n_recv, f] and out [t, f] in its loss (rounded to dtype)."""
+    t0, dt, _, f, *_ = CASES[case]
+    g = generator(f"moe-grad/{case}/{r}/{dtype}")
+    return (torch.randn(n_recv, f, generator=g, dtype=torch.float64).to(dtype),
+            torch.randn(t0 + dt * r, f, generator=g, dtype=torch.float64).to(dtype))
+
+
+def grad_case(case: str, dtype: torch.dtype, y_term: bool, train_w: bool, train_tw: bool) -> None:
+    """Gradients of the sum over ranks of L_p = sum(y_p * Wy_p) + sum(combine(y_p) * Wo_p) (the y term
+    optional) against float64 autograd of the same sum computed from every rank's inputs."""
+    name = f"{case} {dtype} y_term={y_term} train_w={train_w} train_tw={train_tw}"
+    er = CASES[case][5]
+    every = [inputs(case, r, dtype) for r in range(world)]
+    X = [x.double().requires_grad_() for x, *_ in every]
+    TW = [tw.double().requires_grad_(train_tw) for _, _, tw, _ in every]
+    Wt = [w.double().requires_grad_(train_w) for *_, w in every]
+    w_all = torch.cat(Wt)  # [E, h, f]
+    total = torch.zeros((), dtype=torch.float64)
+    my_wy = my_wo = None
+    for p in range(world):
+        rows = [X[src][(ids == p * er + e).nonzero()[:, 0]] @ Wt[p][e]
+                for e in range(er) for src, (_, ids, _, _) in enumerate(every)]
+        y_p = torch.cat(rows)
+        xw = torch.einsum("th,ehf->tef", X[p], w_all)                         # [t, E, f]
+        ids_p = every[p][1]
+        picked = xw[torch.arange(ids_p.shape[0]).unsqueeze(1), ids_p]          # [t, k, f]
+        out_p = (TW[p].unsqueeze(-1) * picked).sum(1)
+        wy, wo = loss_weights(case, p, y_p.shape[0], dtype)
+        total = total + (out_p * wo.double()).sum() + ((y_p * wy.double()).sum() if y_term else 0)
+        if p == rank:
+            my_wy, my_wo = wy, wo
+    total.backward()
+
+    x, ids, tw, w = every[rank]
+    x, tw, w = x.to(device).requires_grad_(), tw.to(device).requires_grad_(train_tw), w.to(device).requires_grad_(train_w)
+    y, _, handle = moe_dispatch_gemm(x, ids.to(device), w)
+    loss = (moe_combine(y, handle, tw) * my_wo.to(device)).sum()
+    if y_term:
+        loss = loss + (y * my_wy.to(device)).sum()
+    loss.backward()
+    for what, leaf, ref in (("dx", x, X[rank]), ("dw", w, Wt[rank]), ("dtopk_weights", tw, TW[rank])):
+        if not ref.requires_grad:
+            if leaf.grad is not None:
+                failures["grad"].append(f"{name}: {what} set on a tensor that does not require grad")
+        elif leaf.grad is None or leaf.grad.dtype != dtype:
+            failures["grad"].append(f"{name}: {what} {'missing' if leaf.grad is None else leaf.grad.dtype}")
+        elif problem := close(leaf.grad.cpu(), ref.grad, GRAD_TOL[dtype]):
+            failures["grad"].append(f"{name}: {what}: {problem}")
+
+
 def expect_error(name: str, fn, needle: str) -> None:
     try:
         fn()
@@ -155,18 +211,26 @@ def check_opcheck() -> None:
     x = torch.randn(5, 8)
     ids = torch.randint(0, 2 * world, (5, 2))
     w = torch.randn(2, 8, 4)
-    for op, args in (("moe_dispatch_gemm", lambda: (x, ids, w, name)),
-                     ("moe_combine", lambda: (*torch.ops.mk.moe_dispatch_gemm(x, ids, w, name)[::2],
-                                              torch.rand(5, 2), name))):
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def combine_args(grad: bool) -> tuple:
+        y, _, handle = torch.ops.mk.moe_dispatch_gemm(x, ids, w, name)
+        return y.requires_grad_(grad), handle, torch.rand(5, 2, requires_grad=grad), name
+
+    # with inputs that require grad, opcheck also checks the autograd registration
+    for op, grad, args in (("moe_dispatch_gemm", False, lambda: (x, ids, w, name)),
+                           ("moe_dispatch_gemm", True, lambda: (xg, ids, wg, name)),
+                           ("moe_combine", False, lambda: combine_args(False)),
+                           ("moe_combine", True, lambda: combine_args(True))):
         try:
             torch.library.opcheck(getattr(torch.ops.mk, op).default, args())
         except Exception:
-            failures["opcheck"].append(f"{op}: {traceback.format_exc(limit=3)[-1500:]}")
+            failures["opcheck"].append(f"{op} grad={grad}: {traceback.format_exc(limit=3)[-1500:]}")
 
 
 def check_compile() -> None:
     """torch.compile(fullgraph=True) of a dispatch -> activation -> combine layer (the fake kernels, with the
-    data-dependent row count) against the eager result."""
+    data-dependent row count) against the eager result, forward and backward."""
     def layer(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
         y, _, handle = moe_dispatch_gemm(x, ids, w)
         return moe_combine(torch.relu(y), handle, tw)
@@ -178,10 +242,22 @@ def check_compile() -> None:
             failures["compile"].append(problem)
     except Exception:
         failures["compile"].append(traceback.format_exc(limit=3)[-1500:])
+    # a compiled training step: the backward ops trace too, and give eager's gradients
+    try:
+        grads = []
+        for fn in (layer, torch.compile(layer, fullgraph=True)):
+            leaves = [x.clone().requires_grad_(), w.clone().requires_grad_(), tw.clone().requires_grad_()]
+            (fn(leaves[0], ids, leaves[1], leaves[2]) ** 2).sum().backward()
+            grads.append([leaf.grad for leaf in leaves])
+        for what, eager, compiled in zip(("dx", "dw", "dtopk_weights"), *grads):
+            if problem := close(compiled, eager.double(), 1e-5):
+                failures["compile"].append(f"compiled backward {what}: {problem}")
+    except Exception:
+        failures["compile"].append("backward: " + traceback.format_exc(limit=3)[-1500:])
 
 
 def run(opcheck: bool) -> None:
-    for family in ("dispatch", "combine", "errors", "opcheck", "compile"):
+    for family in ("dispatch", "combine", "grad", "errors", "opcheck", "compile"):
         failures.setdefault(family, [])
     for dtype in DTYPES:
         for case in CASES:
@@ -189,6 +265,14 @@ def run(opcheck: bool) -> None:
                 check_case(case, dtype)
             except Exception:
                 failures["dispatch"].append(f"{case} {dtype}: {traceback.format_exc(limit=4)[-1500:]}")
+    for case in GRAD_CASES:
+        for dtype in DTYPES if case != "several-pieces" else [torch.float32]:
+            for y_term, train_w, train_tw in ((True, True, True), (False, True, True), (True, False, False)):
+                try:
+                    grad_case(case, dtype, y_term, train_w, train_tw)
+                except Exception:
+                    failures["grad"].append(f"{case} {dtype} y_term={y_term} train_w={train_w}: "
+                                            f"{traceback.format_exc(limit=4)[-1500:]}")
     check_errors()
     if opcheck:
         check_opcheck()

@@ -1,8 +1,9 @@
 """Runs inside every rank of a world: the fused ops on CUDA tensors over the nccl backend (one GPU per rank),
 each checked against the float64 CPU reference of the CPU suites: allgather_gemm, gemm_allreduce and
 gemm_reducescatter (rank_tensors.py), mk.moe_dispatch_gemm + mk.moe_combine (moe_suite.py: uneven routings,
-ranks receiving no tokens) and mk.ring_attention (attention_suite.py). Prints one REPORT line: per family,
-the failures (empty when all passed). Started by test_nccl_ops.py only when the host has >= 2 GPUs.
+ranks receiving no tokens) and mk.ring_attention (attention_suite.py), and some backward cases of the
+last two. Prints one REPORT line: per family, the failures (empty when all passed). Started by
+test_nccl_ops.py only when the host has >= 2 GPUs.
 
 Usage: nccl_suite.py
 """
@@ -68,8 +69,18 @@ def main() -> None:
                     attention_suite.check_case(shape, dtype, causal, zigzag, None)
                 except Exception:
                     failures["attention"].append(f"{shape} {dtype}: {traceback.format_exc(limit=4)[-1500:]}")
-    failures["moe"] += moe_suite.failures.get("dispatch", []) + moe_suite.failures.get("combine", [])
-    failures["attention"] += attention_suite.failures.get("attention", [])
+        for case in ("uniform", "empty-and-single-token", "all-to-rank-0"):   # backward (moe_grad.py)
+            try:
+                moe_suite.grad_case(case, dtype, True, True, True)
+            except Exception:
+                failures["moe"].append(f"grad {case} {dtype}: {traceback.format_exc(limit=4)[-1500:]}")
+        for causal, zigzag in ((False, False), (True, True)):                   # backward (attention_grad.py)
+            try:
+                attention_suite.grad_case(attention_suite.SHAPES[1], dtype, causal, zigzag, None, True, True)
+            except Exception:
+                failures["attention"].append(f"grad {dtype}: {traceback.format_exc(limit=4)[-1500:]}")
+    failures["moe"] += sum((moe_suite.failures.get(f, []) for f in ("dispatch", "combine", "grad")), [])
+    failures["attention"] += attention_suite.failures.get("attention", []) + attention_suite.failures.get("grad", [])
     torch.cuda.synchronize()
     dist.barrier()
     sys.stdout.write("REPORT " + json.dumps({"rank": rank, "failures": failures,

@@ -14,7 +14,7 @@ from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
 
 GLOO_WORLDS = [(2, "gloo"), (3, "gloo"), (4, "gloo")]
 WORLDS = MK_WORLDS + GLOO_WORLDS
-FAMILIES = ["dispatch", "combine", "errors", "opcheck", "compile"]
+FAMILIES = ["dispatch", "combine", "grad", "errors", "opcheck", "compile"]
 worlds = WorldCache("moe_suite.py", timeout=240, gloo_env={"SUPERKERNEL_OPS_TRACE": "1"})
 
 

@@ -1,5 +1,5 @@
-"""mk.ring_attention against float64 scaled_dot_product_attention over the whole sequence
-(attention_suite.py) for world sizes 1-4, over shared memory and TCP (SUPERKERNEL_TRANSPORT), and on Gloo
+"""mk.ring_attention and its backward against float64 scaled_dot_product_attention (and its autograd) over the
+whole sequence (attention_suite.py) for world sizes 1-4, over shared memory and TCP (SUPERKERNEL_TRANSPORT), and on Gloo
 for 2-4 ranks (the backend's own send/recv: Gloo cannot coalesce p2p; NCCL's coalesced ring steps are
 covered by test_nccl_ops.py, on hosts with 2 GPUs).
 Each world is started once and runs every case; the per-family results are asserted by separate tests so a
@@ -13,7 +13,7 @@ import pytest
 from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
-FAMILIES = ["attention", "errors", "opcheck"]
+FAMILIES = ["attention", "grad", "errors", "opcheck"]
 worlds = WorldCache("attention_suite.py", timeout=240, env={"SUPERKERNEL_OPS_TRACE": "1"})
 
 

@@ -5,8 +5,9 @@ The C++ ops are registered when ``superkernel._C`` loads; importing this package
 kernels (for ``torch.compile``). Each wrapper takes a ``torch.distributed`` ProcessGroup (None = the default
 group) and passes its ``group_name`` to the op.
 
-Modules: ``gemm`` (allgather_gemm, gemm_allreduce, gemm_reducescatter); ``moe`` and ``attention`` when
-present; ``group_names`` (group <-> name).
+Modules: ``gemm`` (allgather_gemm, gemm_allreduce, gemm_reducescatter), ``moe`` (moe_dispatch_gemm,
+moe_combine), ``attention`` (ring_attention); their backward formulas in ``autograd`` (the GEMM ops),
+``moe_grad`` and ``attention_grad``; ``group_names`` (group <-> name).
 """
 from __future__ import annotations
 
@@ -18,5 +19,6 @@ from superkernel.ops import autograd as _autograd  # noqa: F401  (registers the 
 __all__ = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "group_name"]
 from superkernel.ops.moe import moe_combine, moe_dispatch_gemm  # noqa: E402
 from superkernel.ops.attention import ring_attention  # noqa: E402
+from superkernel.ops import attention_grad as _attention_grad, moe_grad as _moe_grad  # noqa: E402,F401
 
 __all__ += ["moe_dispatch_gemm", "moe_combine", "ring_attention"]

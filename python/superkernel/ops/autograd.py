@@ -1,5 +1,5 @@
-"""Autograd formulas of the GEMM ops (registered with ``torch.library.register_autograd``), and a backward
-that raises for the ops that have none yet (MoE, ring attention).
+"""Autograd formulas of the GEMM ops (registered with ``torch.library.register_autograd``); the MoE ops'
+are in ``moe_grad``, ring attention's in ``attention_grad``.
 
 Convention: the loss is the sum of every rank's loss, as for ``torch.distributed.nn.functional`` (the
 gradient of an output that every rank holds is summed over the ranks). With it the backward of each op is
@@ -97,23 +97,3 @@ torch.library.register_autograd("mk::allgather_gemm", _allgather_gemm_backward, 
 torch.library.register_autograd("mk::gemm_allreduce", _gemm_allreduce_backward, setup_context=_gemm_allreduce_setup)
 torch.library.register_autograd("mk::gemm_reducescatter", _gemm_reducescatter_backward,
                                 setup_context=_gemm_reducescatter_setup)
-
-
-# ------------------------------------------------------------------------- ops without a backward (yet)
-def _no_backward(op: str) -> Any:
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        raise NotImplementedError(f"mk::{op} has no backward yet (only allgather_gemm, gemm_allreduce and "
-                                  f"gemm_reducescatter are differentiable); detach its inputs or compute this "
-                                  f"part without the fused op")
-
-    return backward
-
-
-def _nothing_to_save(ctx: Any, inputs: tuple, output: Any) -> None:
-    pass
-
-
-# Without a registration, autograd would pass through these ops with a warning and silently wrong (zero)
-# gradients; with it, backward() fails and says why.
-for _op in ("moe_dispatch_gemm", "moe_combine", "ring_attention"):
-    torch.library.register_autograd(f"mk::{_op}", _no_backward(_op), setup_context=_nothing_to_save)

@@ -1,0 +1,99 @@
+"""Autograd formula of ``mk::ring_attention`` (registered with ``torch.library.register_autograd``).
+
+Each rank holds queries, keys and values of s positions of a sequence of R*s (contiguous or zigzag, see
+``superkernel.ops.attention``). The backward recomputes the attention probabilities from the saved
+log-sum-exp, block by block, as FlashAttention's backward does, in fp32:
+
+  P = exp(scale * q k^T - lse)   (0 where the causal mask hides a key)
+  D = rowsum(dout * out) - dlse
+  dv = P^T dout,  dS = P * (dout v^T - D),  dq = scale * dS k,  dk = scale * dS^T q
+
+with the gradient of the log-sum-exp output (``dlse``) folded into D. Keys and values of all ranks are
+gathered once (one all-gather of K and V together, in the input dtype); this rank's contributions to every
+rank's dk and dv (fp32) are summed onto their owners by one reduce-scatter. Memory: the gathered K/V
+(R blocks, as the forward's one-host path holds) and one block's [b, hq, s, s] scores at a time; key
+blocks the causal mask hides entirely are skipped. Grouped-query attention sums dk and dv over the query
+heads that share a key/value head. Every rank must run the backward (the gather and the reduce-scatter are
+collective). Gradients come back in the inputs' dtypes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from superkernel.ops.attention import zigzag_positions
+from superkernel.ops.group_names import group_rank, group_size
+
+_fc = torch.ops._c10d_functional
+
+
+def _positions(rank: int, world: int, s: int, zigzag: bool) -> torch.Tensor:
+    return zigzag_positions(rank, world, s) if zigzag else torch.arange(rank * s, (rank + 1) * s)
+
+
+def _first_and_last(rank: int, world: int, s: int, zigzag: bool) -> tuple[int, int]:
+    """The smallest and largest global position a rank holds (Python ints: no data-dependent branch when
+    torch.compile traces the backward)."""
+    if zigzag:
+        c = s // 2
+        return rank * c, (2 * world - rank) * c - 1
+    return rank * s, (rank + 1) * s - 1
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, name, causal, scale, zigzag = inputs
+    out, lse = output
+    ctx.name, ctx.causal, ctx.scale, ctx.zigzag = name, bool(causal), scale, bool(zigzag)
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
+    q, k, v, out, lse = ctx.saved_tensors
+    R, me = group_size(ctx.name), group_rank(ctx.name)
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = ctx.scale if ctx.scale is not None else (1 / math.sqrt(d) if d else 1.0)
+
+    # Every rank's K and V, [R, 2, b, hkv, s, d], by one gather in the input dtype.
+    kv = _fc.wait_tensor(_fc.all_gather_into_tensor(torch.stack([k, v]).contiguous(), R, ctx.name))
+    kv = kv.view(R, 2, b, hkv, s, d)
+
+    # Queries grouped by the key/value head they use: [b, hkv, g, s, ...].
+    qf = q.float().reshape(b, hkv, g, s, d)
+    do = (dout.float() if dout is not None else torch.zeros_like(qf)).reshape(b, hkv, g, s, d)
+    lse_g = lse.reshape(b, hkv, g, s, 1)
+    delta = (do * out.float().reshape(b, hkv, g, s, d)).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.float().reshape(b, hkv, g, s, 1)
+
+    q_pos = _positions(me, R, s, ctx.zigzag).to(q.device)
+    dq = torch.zeros_like(qf)
+    dkv = torch.zeros((R, 2, b, hkv, s, d), dtype=torch.float32, device=q.device)
+    for r in range(R):
+        visible = None
+        if ctx.causal:
+            if _first_and_last(r, R, s, ctx.zigzag)[0] > _first_and_last(me, R, s, ctx.zigzag)[1]:
+                continue  # every key of block r comes after every query here
+            visible = _positions(r, R, s, ctx.zigzag).to(q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, s]
+        kr = kv[r, 0].float().unsqueeze(2)   # [b, hkv, 1, s, d]
+        vr = kv[r, 1].float().unsqueeze(2)
+        p = torch.exp(qf @ kr.transpose(-1, -2) * scale - lse_g)   # [b, hkv, g, s, s]
+        if visible is not None:
+            p = p.masked_fill(~visible, 0.0)
+        dkv[r, 1] = (p.transpose(-1, -2) @ do).sum(2)
+        ds = p.mul_((do @ vr.transpose(-1, -2)).sub_(delta))
+        dq += ds @ kr * scale
+        dkv[r, 0] = (ds.transpose(-1, -2) @ qf).sum(2) * scale
+
+    # This rank's share of every rank's dk, dv, summed onto the rank that holds those positions.
+    mine = _fc.wait_tensor(_fc.reduce_scatter_tensor(dkv.view(R * 2 * b, hkv, s, d), "sum", R, ctx.name))
+    mine = mine.view(2, b, hkv, s, d)
+    need = ctx.needs_input_grad
+    return (dq.reshape(b, hq, s, d).to(q.dtype) if need[0] else None, mine[0].to(k.dtype) if need[1] else None,
+            mine[1].to(v.dtype) if need[2] else None, None, None, None, None)
+
+
+torch.library.register_autograd("mk::ring_attention", _backward, setup_context=_setup)

@@ -1,0 +1,167 @@
+"""Autograd formulas of ``mk::moe_dispatch_gemm`` and ``mk::moe_combine`` (registered with
+``torch.library.register_autograd``), and the routing they move gradients by.
+
+The routing handle the dispatch returned says where every (token, choice) row went, so each backward is
+the forward's exchange run the other way, plus local products (fp32 accumulation, results in the inputs'
+dtypes):
+
+* ``moe_dispatch_gemm``: y rows (expert e, from token t's choice j) = x_t @ w_e.
+
+  - grad x_t = sum_j dy_(t,j) @ w_e^T: the rows dy_e @ w_e^T go home and are summed over the choices, which
+    is ``moe_combine`` with all weights 1 (the fused op: on mk, point-to-point straight from the rows);
+  - grad w_e = X_e^T @ dy_e, where X_e are the token rows that reached expert e. They are routed to the
+    experts again (one all-to-all with the dispatch's counts) instead of being kept from the forward, as
+    activation recomputation does: memory for one more exchange.
+
+* ``moe_combine``: out_t = sum_j g_(t,j) * y_(t,j) with g = topk_weights.
+
+  - grad y_(t,j) = g_(t,j) * dout_t, routed to the expert that produced the row (one all-to-all);
+  - grad g_(t,j) = dout_t . y_(t,j): the rows of y come home unweighted (one all-to-all).
+
+The handle and the counts are integer outputs without gradients. The exchanges are
+``torch.distributed``'s ``all_to_all_single`` on the op's group, so they run on every backend. Every rank
+must run the backward (an all-to-all is collective), and inputs must require gradients alike on every rank,
+as in any distributed autograd.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from superkernel.ops.moe import HANDLE_HEADER
+
+_fc = torch.ops._c10d_functional
+
+
+class Routing:
+    """Where the rows of one dispatch went, read from its handle (layout in ``csrc/kernels/moe.cc``).
+
+    Rows travel source-major in the exchange: a source sends its rows in its sending order (sorted by
+    global expert), and a destination receives them by source, then local expert; y is ordered by local
+    expert, then source. ``to_experts`` and ``to_home`` move [rows, f] tensors along the dispatch's routes
+    and back.
+    """
+
+    def __init__(self, handle: torch.Tensor, group_name: str) -> None:
+        hd = handle.detach().cpu()
+        R, er, t, k, n_recv = (int(v) for v in hd[[1, 3, 4, 5, 6]])
+        self.group_name, self.t, self.k, self.n_recv = group_name, t, k, n_recv
+        recv = hd[HANDLE_HEADER:HANDLE_HEADER + R * er].view(R, er)          # from source s for local expert e
+        sent = hd[HANDLE_HEADER + R * er:HANDLE_HEADER + 2 * R * er].view(R, er)  # to rank d's expert e
+        self.back = recv.sum(1).tolist()   # rows exchanged with each source
+        self.home = sent.sum(1).tolist()   # rows exchanged with each destination
+        # Sending order: row i of the outbox is (token, choice) perm[i] = token*k + choice.
+        self.perm = hd[HANDLE_HEADER + 2 * R * er:].to(handle.device)
+        # Where the row received at position i (source-major, expert-minor) sits in y (expert-major).
+        lengths = recv.reshape(-1)
+        start_in_y = (recv.t().reshape(-1).cumsum(0) - recv.t().reshape(-1)).view(er, R).t().reshape(-1)
+        start_in_rx = lengths.cumsum(0) - lengths
+        seg = torch.repeat_interleave(torch.arange(R * er), lengths)
+        self.y_of_rx = (start_in_y[seg] + torch.arange(n_recv) - start_in_rx[seg]).to(handle.device)
+
+    def _exchange(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        return _fc.wait_tensor(_fc.all_to_all_single(rows.contiguous(), out_splits, in_splits, self.group_name))
+
+    def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        """[t*k, f] rows in (token, choice) order on the token's rank -> [n_recv, f] in y's order."""
+        rx = self._exchange(rows.index_select(0, self.perm), self.back, self.home)
+        return rx.new_empty((self.n_recv,) + tuple(rx.shape[1:])).index_copy_(0, self.y_of_rx, rx)
+
+    def to_home(self, y: torch.Tensor) -> torch.Tensor:
+        """[n_recv, f] rows in y's order -> [t*k, f] in (token, choice) order on the token's rank."""
+        back = self._exchange(y.index_select(0, self.y_of_rx), self.home, self.back)
+        return back.new_empty((self.t * self.k,) + tuple(back.shape[1:])).index_copy_(0, self.perm, back)
+
+
+def _per_expert(counts: torch.Tensor) -> list[int]:
+    return [int(c) for c in counts.tolist()]
+
+
+# The backward formulas read the routing (split sizes) from the handle's contents, which torch.compile
+# cannot trace; each is therefore an op of its own (mk::moe_dispatch_gemm_backward, mk::moe_combine_backward)
+# whose fake kernel gives the gradients' shapes, so a compiled training step traces through it. A gradient
+# that is not needed comes back as an empty tensor (an op returns tensors, not None).
+_NOTHING = (0,)
+
+
+@torch.library.custom_op("mk::moe_dispatch_gemm_backward", mutates_args=())
+def dispatch_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                           handle: torch.Tensor, group_name: str, need_x: bool,
+                           need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x, grad w) of moe_dispatch_gemm for the gradient dy of its output y."""
+    rt = Routing(handle, group_name)
+    blocks = dy.float().split(_per_expert(counts))
+    grad_x, grad_w = x.new_empty(_NOTHING), w.new_empty(_NOTHING)
+    if need_x:
+        rows = torch.cat([blk @ w[e].float().t() for e, blk in enumerate(blocks)]).to(x.dtype)
+        ones = torch.ones((rt.t, rt.k), dtype=x.dtype, device=x.device)
+        grad_x = torch.ops.mk.moe_combine(rows, handle, ones, group_name)
+    if need_w:
+        arrived = rt.to_experts(x.repeat_interleave(rt.k, dim=0)).float().split(_per_expert(counts))
+        grad_w = torch.stack([xe.t() @ blk for xe, blk in zip(arrived, blocks)]).to(w.dtype)
+    return grad_x, grad_w
+
+
+@dispatch_gemm_backward.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, handle: torch.Tensor,
+      group_name: str, need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x) if need_x else x.new_empty(_NOTHING),
+            torch.empty_like(w) if need_w else w.new_empty(_NOTHING))
+
+
+@torch.library.custom_op("mk::moe_combine_backward", mutates_args=())
+def combine_backward(dout: torch.Tensor, y: torch.Tensor, handle: torch.Tensor, topk_weights: torch.Tensor,
+                     group_name: str, need_y: bool, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad y, grad topk_weights) of moe_combine for the gradient dout of its output."""
+    rt = Routing(handle, group_name)
+    grad_y, grad_weights = y.new_empty(_NOTHING), topk_weights.new_empty(_NOTHING)
+    if need_y:
+        rows = topk_weights.float().unsqueeze(-1) * dout.float().unsqueeze(1)   # [t, k, f]
+        grad_y = rt.to_experts(rows.reshape(rt.t * rt.k, y.shape[1]).to(y.dtype))
+    if need_weights:
+        came_home = rt.to_home(y).float().view(rt.t, rt.k, y.shape[1])
+        grad_weights = (came_home @ dout.float().unsqueeze(-1)).squeeze(-1).to(topk_weights.dtype)
+    return grad_y, grad_weights
+
+
+@combine_backward.register_fake
+def _(dout: torch.Tensor, y: torch.Tensor, handle: torch.Tensor, topk_weights: torch.Tensor, group_name: str,
+      need_y: bool, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(y) if need_y else y.new_empty(_NOTHING),
+            torch.empty_like(topk_weights) if need_weights else topk_weights.new_empty(_NOTHING))
+
+
+# --------------------------------------------------------------------------------------- moe_dispatch_gemm
+def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, _ids, w, name = inputs
+    y, counts, handle = output
+    ctx.name, ctx.n_recv = name, y.shape[0]
+    ctx.save_for_backward(x, w, counts, handle)
+
+
+def _dispatch_backward(ctx: Any, dy: torch.Tensor | None, _dcounts: Any, _dhandle: Any) -> tuple:
+    x, w, counts, handle = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    if dy is None:
+        dy = x.new_zeros((ctx.n_recv, w.shape[2]))
+    grad_x, grad_w = dispatch_gemm_backward(dy, x, w, counts, handle, ctx.name, need_x, need_w)
+    return (grad_x if need_x else None), None, (grad_w if need_w else None), None
+
+
+# ---------------------------------------------------------------------------------------------- moe_combine
+def _combine_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    y, handle, topk_weights, name = inputs
+    ctx.name = name
+    ctx.save_for_backward(y, handle, topk_weights)
+
+
+def _combine_backward(ctx: Any, dout: torch.Tensor) -> tuple:
+    y, handle, topk_weights = ctx.saved_tensors
+    need_y, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    grad_y, grad_weights = combine_backward(dout, y, handle, topk_weights, ctx.name, need_y, need_weights)
+    return (grad_y if need_y else None), None, (grad_weights if need_weights else None), None
+
+
+torch.library.register_autograd("mk::moe_dispatch_gemm", _dispatch_backward, setup_context=_dispatch_setup)
+torch.library.register_autograd("mk::moe_combine", _combine_backward, setup_context=_combine_setup)
