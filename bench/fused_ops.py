@@ -106,7 +106,9 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     """Median per-call seconds of each variant and the iteration count (the same on every rank).
 
     The variants are interleaved (one call of each per round), so drifting load from other processes on this
-    shared VM hits them alike. Every call starts after a barrier; a call's time is the maximum over ranks;
+    shared VM hits them alike, and each round starts one variant later than the previous one: the first call
+    after the previous round's last variant measured 30-60 us slower at 256^3 (allgather_gemm on 2 ranks,
+    same op in two slots of one round), and a fixed order would charge that to one variant. Every call starts after a barrier; a call's time is the maximum over ranks;
     the median over rounds, not the mean, since other processes add a long tail to some calls. ``settle``
     seconds of idle link (untimed) precede every call: over a ``tc tbf`` link the shaper's token bucket then
     refills, so each variant starts from the same link state (without it, the variant that follows an idle
@@ -125,8 +127,9 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     one = _max_over_ranks(dist, torch, time.perf_counter() - t0)
     iters = int(min(max_iters, max(min_iters, len(fns) * seconds / max(one, 1e-6))))
     times = torch.zeros(len(fns), iters, dtype=torch.float64)
+    order = list(enumerate(fns.values()))
     for i in range(iters):
-        for j, fn in enumerate(fns.values()):
+        for j, fn in order[i % len(order):] + order[:i % len(order)]:
             if settle > 0:
                 time.sleep(settle)
             _barrier(dist)
