@@ -3,8 +3,9 @@ for many routings (uniform, all tokens to one rank so the others receive none, a
 ranks, top-1 .. top-3), shapes and dtypes, each checked against the unfused computation in float64: every
 rank regenerates every rank's tokens, expert ids and weights from a shared seed, so it knows exactly which
 rows it must receive, in which order (local expert, source rank, token, choice), and what combine must give
-back; gradients of both ops against float64 autograd of the sum of every rank's loss. Also mismatched calls that must fail on every rank, and (with --opcheck) torch.library.opcheck,
-(with --compile) torch.compile(fullgraph=True).
+back; gradients of both ops against float64 autograd of the sum of every rank's loss. Also mismatched
+calls that must fail on every rank, and (with --opcheck) torch.library.opcheck, (with --compile)
+torch.compile(fullgraph=True), forward and a training step.
 Prints one REPORT line: per family, the failures (empty when all passed).
 
 Usage: moe_suite.py [--backend mk|gloo] [--opcheck] [--compile]
@@ -156,7 +157,8 @@ def grad_case(case: str, dtype: torch.dtype, y_term: bool, train_w: bool, train_
     total.backward()
 
     x, ids, tw, w = every[rank]
-    x, tw, w = x.to(device).requires_grad_(), tw.to(device).requires_grad_(train_tw), w.to(device).requires_grad_(train_w)
+    x = x.to(device).requires_grad_()
+    tw, w = tw.to(device).requires_grad_(train_tw), w.to(device).requires_grad_(train_w)
     y, _, handle = moe_dispatch_gemm(x, ids.to(device), w)
     loss = (moe_combine(y, handle, tw) * my_wo.to(device)).sum()
     if y_term:
@@ -182,6 +184,16 @@ def expect_error(name: str, fn, needle: str) -> None:
     failures["errors"].append(f"{name}: no error")
 
 
+def handle_of_next_rank(handle: torch.Tensor) -> torch.Tensor:
+    """``handle`` as if the next rank had made it (with one rank: as if from a group one larger)."""
+    forged = handle.clone()
+    if world > 1:
+        forged[2] = (rank + 1) % world
+    else:
+        forged[1] = 2
+    return forged
+
+
 def check_errors() -> None:
     x = torch.randn(4, 8)
     ids = torch.randint(0, 2 * world, (4, 2))
@@ -203,6 +215,16 @@ def check_errors() -> None:
     tw = torch.rand(4, 3) if rank == 0 else torch.rand(4, 2)
     expect_error("combine weights of the wrong shape", lambda: moe_combine(y, handle, tw),
                  "topk_weights" if rank == 0 else "rank 0")
+    # the backward ops refuse a tensor that is not this rank's routing handle (before any exchange)
+    name = dist.distributed_c10d._get_default_group().group_name
+    for what, bogus in (("zeros", torch.zeros(40, dtype=torch.int64)),
+                        ("another rank's", handle_of_next_rank(handle))):
+        try:
+            torch.ops.mk.moe_combine_backward(torch.randn(4, 5), y, bogus, torch.rand(4, 2), name, True, True)
+            failures["errors"].append(f"backward with {what} handle: no error")
+        except ValueError as e:
+            if "not a routing handle" not in str(e):
+                failures["errors"].append(f"backward with {what} handle: {e}")
     check_case("uniform", torch.float32)  # the group is still usable
 
 

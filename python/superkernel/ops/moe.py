@@ -28,6 +28,7 @@ Group = dist.ProcessGroup | str | None
 # Layout of the routing handle (see csrc/kernels/moe.cc): header, then recv counts [R, E_r], send counts
 # [R*E_r], send order [t*k].
 HANDLE_HEADER = 8
+HANDLE_MAGIC = 0x6d6b6d6f65   # its first word ("mkmoe", kMagic in moe.cc)
 
 
 def moe_dispatch_gemm(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor,

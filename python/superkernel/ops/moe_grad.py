@@ -10,8 +10,8 @@ dtypes):
   - grad x_t = sum_j dy_(t,j) @ w_e^T: the rows dy_e @ w_e^T go home and are summed over the choices, which
     is ``moe_combine`` with all weights 1 (the fused op: on mk, point-to-point straight from the rows);
   - grad w_e = X_e^T @ dy_e, where X_e are the token rows that reached expert e. They are routed to the
-    experts again (one all-to-all with the dispatch's counts) instead of being kept from the forward, as
-    activation recomputation does: memory for one more exchange.
+    experts again (one all-to-all with the dispatch's counts) instead of being kept from the forward: one
+    more exchange in backward for n_recv x h less memory between forward and backward.
 
 * ``moe_combine``: out_t = sum_j g_(t,j) * y_(t,j) with g = topk_weights.
 
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from superkernel.ops.moe import HANDLE_HEADER
+from superkernel.ops.group_names import group_rank, group_size
+from superkernel.ops.moe import HANDLE_HEADER, HANDLE_MAGIC
 
 _fc = torch.ops._c10d_functional
 
@@ -45,7 +46,14 @@ class Routing:
 
     def __init__(self, handle: torch.Tensor, group_name: str) -> None:
         hd = handle.detach().cpu()
+        world, me = group_size(group_name), group_rank(group_name)
+        if (hd.dim() != 1 or hd.dtype != torch.int64 or hd.numel() < HANDLE_HEADER or int(hd[0]) != HANDLE_MAGIC
+                or int(hd[1]) != world or int(hd[2]) != me):
+            raise ValueError(f"mk moe backward: rank {me}: not a routing handle of moe_dispatch_gemm on this rank "
+                             f"of group {group_name!r} (size {world})")
         R, er, t, k, n_recv = (int(v) for v in hd[[1, 3, 4, 5, 6]])
+        if hd.numel() != HANDLE_HEADER + 2 * R * er + t * k:
+            raise ValueError(f"mk moe backward: rank {me}: the routing handle has the wrong length")
         self.group_name, self.t, self.k, self.n_recv = group_name, t, k, n_recv
         recv = hd[HANDLE_HEADER:HANDLE_HEADER + R * er].view(R, er)          # from source s for local expert e
         sent = hd[HANDLE_HEADER + R * er:HANDLE_HEADER + 2 * R * er].view(R, er)  # to rank d's expert e
