@@ -108,11 +108,11 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     The variants are interleaved (one call of each per round), so drifting load from other processes on this
     shared VM hits them alike, and each round starts one variant later than the previous one: the first call
     after the previous round's last variant measured 30-60 us slower at 256^3 (allgather_gemm on 2 ranks,
-    same op in two slots of one round), and a fixed order would charge that to one variant. Every call starts after a barrier; a call's time is the maximum over ranks;
-    the median over rounds, not the mean, since other processes add a long tail to some calls. ``settle``
-    seconds of idle link (untimed) precede every call: over a ``tc tbf`` link the shaper's token bucket then
-    refills, so each variant starts from the same link state (without it, the variant that follows an idle
-    one gets a burst the others do not)."""
+    same op in two slots of one round), and a fixed order would charge that to one variant. Every call
+    starts after a barrier; a call's time is the maximum over ranks; the median over rounds, not the mean,
+    since other processes add a long tail to some calls. ``settle`` seconds of idle link (untimed) precede
+    every call: over a ``tc tbf`` link the shaper's token bucket then refills, so each variant starts from
+    the same link state (without it, the variant that follows an idle one gets a burst the others do not)."""
     for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
         fn()
     if "fused" in fns and chunks == 0:

@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from superkernel.ops.attention import zigzag_positions
+from superkernel.ops.autograd import all_gather, reduce_scatter
 from superkernel.ops.group_names import group_rank, group_size
-
-_fc = torch.ops._c10d_functional
 
 
 def _positions(rank: int, world: int, s: int, zigzag: bool) -> torch.Tensor:
@@ -58,8 +57,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     scale = ctx.scale if ctx.scale is not None else (1 / math.sqrt(d) if d else 1.0)
 
     # Every rank's K and V, [R, 2, b, hkv, s, d], by one gather in the input dtype.
-    kv = _fc.wait_tensor(_fc.all_gather_into_tensor(torch.stack([k, v]).contiguous(), R, ctx.name))
-    kv = kv.view(R, 2, b, hkv, s, d)
+    kv = all_gather(torch.stack([k, v]), ctx.name).view(R, 2, b, hkv, s, d)
 
     # Queries grouped by the key/value head they use: [b, hkv, g, s, ...].
     qf = q.float().reshape(b, hkv, g, s, d)
@@ -89,8 +87,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
         dkv[r, 0] = (ds.transpose(-1, -2) @ qf).sum(2) * scale
 
     # This rank's share of every rank's dk, dv, summed onto the rank that holds those positions.
-    mine = _fc.wait_tensor(_fc.reduce_scatter_tensor(dkv.view(R * 2 * b, hkv, s, d), "sum", R, ctx.name))
-    mine = mine.view(2, b, hkv, s, d)
+    mine = reduce_scatter(dkv.view(R * 2 * b, hkv, s, d), ctx.name).view(2, b, hkv, s, d)
     need = ctx.needs_input_grad
     return (dq.reshape(b, hq, s, d).to(q.dtype) if need[0] else None, mine[0].to(k.dtype) if need[1] else None,
             mine[1].to(v.dtype) if need[2] else None, None, None, None, None)

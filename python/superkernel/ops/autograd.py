@@ -31,15 +31,17 @@ from superkernel.ops.group_names import group_size
 _fc = torch.ops._c10d_functional
 
 
-def _all_gather(t: torch.Tensor, name: str) -> torch.Tensor:
+# ------------------------------------------------- collectives of the backward formulas (also attention_grad)
+# torch.distributed's functional collectives on the group registered as `name`, waited for.
+def all_gather(t: torch.Tensor, name: str) -> torch.Tensor:
     return _fc.wait_tensor(_fc.all_gather_into_tensor(t.contiguous(), group_size(name), name))
 
 
-def _reduce_scatter(t: torch.Tensor, name: str) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, name: str) -> torch.Tensor:
     return _fc.wait_tensor(_fc.reduce_scatter_tensor(t.contiguous(), "sum", group_size(name), name))
 
 
-def _all_reduce(t: torch.Tensor, name: str) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, name: str) -> torch.Tensor:
     return _fc.wait_tensor(_fc.all_reduce(t.contiguous(), "sum", name))
 
 
@@ -57,10 +59,10 @@ def _allgather_gemm_backward(ctx: Any, dc: torch.Tensor | None, dgathered: torch
     dc = dc.contiguous()
     grad_a = torch.ops.mk.gemm_reducescatter(dc, b.t().contiguous(), ctx.name, ctx.chunks)
     if ctx.return_gathered:  # (agreed across ranks, so every rank runs this reduce-scatter or none does)
-        grad_a = grad_a + _reduce_scatter(a.new_zeros(gathered.shape) if dgathered is None else dgathered, ctx.name)
+        grad_a = grad_a + reduce_scatter(a.new_zeros(gathered.shape) if dgathered is None else dgathered, ctx.name)
     grad_b = None
     if ctx.needs_input_grad[1]:
-        grad_b = (gathered if gathered is not None else _all_gather(a, ctx.name)).t() @ dc
+        grad_b = (gathered if gathered is not None else all_gather(a, ctx.name)).t() @ dc
     return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None, None
 
 
@@ -73,7 +75,7 @@ def _gemm_allreduce_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None
 
 def _gemm_allreduce_backward(ctx: Any, dc: torch.Tensor) -> tuple:
     a, b = ctx.saved_tensors
-    ds = _all_reduce(dc, ctx.name)
+    ds = all_reduce(dc, ctx.name)
     grad_a = ds @ b.t() if ctx.needs_input_grad[0] else None
     grad_b = a.t() @ ds if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None, None

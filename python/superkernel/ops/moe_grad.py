@@ -82,10 +82,6 @@ class Routing:
         return back.new_empty((self.t * self.k,) + tuple(back.shape[1:])).index_copy_(0, self.perm, back)
 
 
-def _per_expert(counts: torch.Tensor) -> list[int]:
-    return [int(c) for c in counts.tolist()]
-
-
 # The backward formulas read the routing (split sizes) from the handle's contents, which torch.compile
 # cannot trace; each is therefore an op of its own (mk::moe_dispatch_gemm_backward, mk::moe_combine_backward)
 # whose fake kernel gives the gradients' shapes, so a compiled training step traces through it. A gradient
@@ -99,14 +95,15 @@ def dispatch_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, c
                            need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad x, grad w) of moe_dispatch_gemm for the gradient dy of its output y."""
     rt = Routing(handle, group_name)
-    blocks = dy.float().split(_per_expert(counts))
+    per_expert = counts.tolist()
+    blocks = dy.float().split(per_expert)
     grad_x, grad_w = x.new_empty(_NOTHING), w.new_empty(_NOTHING)
     if need_x:
         rows = torch.cat([blk @ w[e].float().t() for e, blk in enumerate(blocks)]).to(x.dtype)
         ones = torch.ones((rt.t, rt.k), dtype=x.dtype, device=x.device)
         grad_x = torch.ops.mk.moe_combine(rows, handle, ones, group_name)
     if need_w:
-        arrived = rt.to_experts(x.repeat_interleave(rt.k, dim=0)).float().split(_per_expert(counts))
+        arrived = rt.to_experts(x.repeat_interleave(rt.k, dim=0)).float().split(per_expert)
         grad_w = torch.stack([xe.t() @ blk for xe, blk in zip(arrived, blocks)]).to(w.dtype)
     return grad_x, grad_w
 
