@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from superkernel.ops.dispatch import call
 from superkernel.ops.group_names import group_name
 
 Group = dist.ProcessGroup | str | None
@@ -28,7 +29,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                    zigzag: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` [b, hq, s, d] over the keys/values ``k``, ``v`` [b, hkv, s, d] of every rank
     (softmax scale ``scale``, default ``1/sqrt(d)``): ``(out, lse)``."""
-    return torch.ops.mk.ring_attention(q, k, v, group_name(group), causal, scale, zigzag)
+    return call(torch.ops.mk.ring_attention.default, q, k, v, group_name(group), causal, scale, zigzag)
 
 
 def zigzag_positions(rank: int, world: int, s: int) -> torch.Tensor:

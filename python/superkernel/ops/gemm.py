@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from superkernel.ops.dispatch import call
 from superkernel.ops.group_names import group_name, group_size
 
 Group = dist.ProcessGroup | str | None
@@ -19,18 +20,18 @@ def allgather_gemm(a: torch.Tensor, b: torch.Tensor, group: Group = None, *, ret
                    chunks: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``cat_r(a_r) @ b`` for row shards ``a`` [m, k] and ``b`` [k, n]: [R*m, n] (and the gathered A when
     ``return_gathered``)."""
-    c, gathered = torch.ops.mk.allgather_gemm(a, b, group_name(group), return_gathered, chunks)
+    c, gathered = call(torch.ops.mk.allgather_gemm.default, a, b, group_name(group), return_gathered, chunks)
     return (c, gathered) if return_gathered else c
 
 
 def gemm_allreduce(a: torch.Tensor, b: torch.Tensor, group: Group = None, *, chunks: int = 0) -> torch.Tensor:
     """``sum_r a_r @ b_r`` for ``a`` [m, k_r], ``b`` [k_r, n] (k sharded): [m, n], identical on every rank."""
-    return torch.ops.mk.gemm_allreduce(a, b, group_name(group), chunks)
+    return call(torch.ops.mk.gemm_allreduce.default, a, b, group_name(group), chunks)
 
 
 def gemm_reducescatter(a: torch.Tensor, b: torch.Tensor, group: Group = None, *, chunks: int = 0) -> torch.Tensor:
     """Rows ``[r*m/R, (r+1)*m/R)`` of ``sum_r a_r @ b_r`` (R must divide m): [m/R, n]."""
-    return torch.ops.mk.gemm_reducescatter(a, b, group_name(group), chunks)
+    return call(torch.ops.mk.gemm_reducescatter.default, a, b, group_name(group), chunks)
 
 
 @torch.library.register_fake("mk::allgather_gemm")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from superkernel.ops.dispatch import call
 from superkernel.ops.group_names import group_name, group_size
 
 Group = dist.ProcessGroup | str | None
@@ -35,14 +36,14 @@ def moe_dispatch_gemm(x: torch.Tensor, topk_ids: torch.Tensor, w: torch.Tensor,
                       group: Group = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route tokens ``x`` [t, h] to the experts ``topk_ids`` [t, k] (global ids) and apply the experts'
     weights: ``(y [n_recv, f], counts [E_r], handle)`` on the experts' ranks."""
-    return torch.ops.mk.moe_dispatch_gemm(x, topk_ids, w, group_name(group))
+    return call(torch.ops.mk.moe_dispatch_gemm.default, x, topk_ids, w, group_name(group))
 
 
 def moe_combine(y: torch.Tensor, handle: torch.Tensor, topk_weights: torch.Tensor,
                 group: Group = None) -> torch.Tensor:
     """Return the expert outputs ``y`` to their tokens' ranks and sum them weighted by ``topk_weights``
     [t, k]: [t, f]."""
-    return torch.ops.mk.moe_combine(y, handle, topk_weights, group_name(group))
+    return call(torch.ops.mk.moe_combine.default, y, handle, topk_weights, group_name(group))
 
 
 @torch.library.register_fake("mk::moe_dispatch_gemm")
