@@ -198,7 +198,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // two, which measured slower on one host than the exchange it would hide: 256^3 on 2 ranks 0.92-0.94x of
   // unfused against 0.97-1.03x.)
   const int64_t C = ga.chunks();
-  at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
+  // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
+  at::Tensor a = a_in.contiguous(), b = b_in;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer)
   at::Tensor gathered = return_gathered ? at::empty({R * m, k}, a.options()) : scratch(R * m, k, a.options());
   at::Tensor c = at::empty({R * m, n}, a.options());
@@ -300,7 +302,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   at::Tensor a, b, acc;
   auto prepare = [&] {
     a = a_in.contiguous();
-    b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
+    b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
   // One chunk planned, no ring: the whole product a_r @ b_r does not depend on the agreed chunk count, so it
@@ -385,7 +387,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   at::Tensor a, b, acc_out, full;
   auto prepare = [&] {
     a = a_in.contiguous();
-    b = half ? b_in.to(acc_t).contiguous() : b_in.contiguous();
+    b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
   // One chunk planned, no ring: every rank's block of partial sums (the whole a_r @ b_r, [R, mb, n]) is

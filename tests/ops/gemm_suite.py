@@ -60,16 +60,23 @@ CHUNKS = [0, 1, 3, 8]
 # ---------------------------------------------------------------- the three ops
 
 
-def allgather_gemm_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int, gathered: bool) -> str:
+def column_major(b: torch.Tensor) -> torch.Tensor:
+    """The same values as b with transposed strides (what a backward passes as b.t())."""
+    return b.t().contiguous().t()
+
+
+def allgather_gemm_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int, gathered: bool,
+                        strided: bool = False) -> str:
     key = f"ag/{m}/{k}/{n}"
     shards = [rank_tensor(key + "/a", r, (m, k), dtype) for r in range(world)]
     b = rank_tensor(key + "/b", 0, (k, n), dtype)
+    b_arg = column_major(b) if strided else b
     if gathered:
-        c, g = mk.allgather_gemm(shards[rank], b, return_gathered=True, chunks=chunks)
+        c, g = mk.allgather_gemm(shards[rank], b_arg, return_gathered=True, chunks=chunks)
         if not torch.equal(g, torch.cat(shards)):
             return "gathered A differs from cat of the shards"
     else:
-        c = mk.allgather_gemm(shards[rank], b, chunks=chunks)
+        c = mk.allgather_gemm(shards[rank], b_arg, chunks=chunks)
     ref = torch.cat([s.double() for s in shards]) @ b.double()
     digests[f"ag/{m}/{k}/{n}/{dtype}/{chunks}/{gathered}"] = digest(c)
     return mismatch(c, ref, dtype)
@@ -80,22 +87,22 @@ def k_of(r: int, k: int) -> int:
     return k + (r % 2)
 
 
-def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int) -> str:
+def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int, strided: bool = False) -> str:
     key = f"ar/{m}/{k}/{n}"
     a = [rank_tensor(key + "/a", r, (m, k_of(r, k)), dtype) for r in range(world)]
     b = [rank_tensor(key + "/b", r, (k_of(r, k), n), dtype) for r in range(world)]
-    c = mk.gemm_allreduce(a[rank], b[rank], chunks=chunks)
+    c = mk.gemm_allreduce(a[rank], column_major(b[rank]) if strided else b[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))
     digests[f"ar/{m}/{k}/{n}/{dtype}/{chunks}"] = digest(c)
     return mismatch(c, ref, dtype)
 
 
-def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int) -> str:
+def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int, strided: bool = False) -> str:
     m = mb * world
     key = f"rs/{m}/{k}/{n}"
     a = [rank_tensor(key + "/a", r, (m, k_of(r, k)), dtype) for r in range(world)]
     b = [rank_tensor(key + "/b", r, (k_of(r, k), n), dtype) for r in range(world)]
-    c = mk.gemm_reducescatter(a[rank], b[rank], chunks=chunks)
+    c = mk.gemm_reducescatter(a[rank], column_major(b[rank]) if strided else b[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))[rank * mb:(rank + 1) * mb]
     return mismatch(c, ref, dtype)
 
@@ -119,6 +126,11 @@ def run_ops(large: bool) -> None:
             check("gemm_allreduce", f"m={7 * world} k=5 n=6 {dtype} chunks={chunks}",
                   lambda: gemm_allreduce_case(7 * world, 5, 6, dtype, chunks))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks))
+            # b with column-major strides (used in place, not copied)
+            check("allgather_gemm", name + " strided b", lambda: allgather_gemm_case(7, 5, 6, dtype, chunks, False, True))
+            check("gemm_allreduce", f"m={7 * world} k=5 n=6 {dtype} chunks={chunks} strided b",
+                  lambda: gemm_allreduce_case(7 * world, 5, 6, dtype, chunks, True))
+            check("gemm_reducescatter", name + " strided b", lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks, True))
     # gemm_reducescatter with 1 MiB blocks of fp32 partial sums (chunks of the collective path hold many rows)
     for dtype in DTYPES:
         chunks = rnd.choice(CHUNKS)

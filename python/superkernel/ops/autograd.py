@@ -58,7 +58,7 @@ def _allgather_gemm_backward(ctx: Any, dc: torch.Tensor | None, dgathered: torch
     if dc is None:   # only `gathered` was used
         dc = a.new_zeros((group_size(ctx.name) * a.shape[0], b.shape[1]))
     dc = dc.contiguous()
-    grad_a = call(torch.ops.mk.gemm_reducescatter.default, dc, b.t().contiguous(), ctx.name, ctx.chunks)
+    grad_a = call(torch.ops.mk.gemm_reducescatter.default, dc, b.t(), ctx.name, ctx.chunks)
     if ctx.return_gathered:  # (agreed across ranks, so every rank runs this reduce-scatter or none does)
         grad_a = grad_a + reduce_scatter(a.new_zeros(gathered.shape) if dgathered is None else dgathered, ctx.name)
     grad_b = None
@@ -91,8 +91,7 @@ def _gemm_reducescatter_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> 
 
 def _gemm_reducescatter_backward(ctx: Any, dc: torch.Tensor) -> tuple:
     a, b = ctx.saved_tensors
-    grad_a, gathered = call(torch.ops.mk.allgather_gemm.default, dc.contiguous(), b.t().contiguous(), ctx.name, True,
-                                ctx.chunks)
+    grad_a, gathered = call(torch.ops.mk.allgather_gemm.default, dc.contiguous(), b.t(), ctx.name, True, ctx.chunks)
     grad_b = a.t() @ gathered if ctx.needs_input_grad[1] else None
     return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
 
