@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import superkernel  # noqa: F401  (registers "mk")
+from superkernel.ops import attention_grad
 from superkernel.ops.attention import ring_attention, zigzag_positions
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
@@ -183,6 +184,20 @@ def run(opcheck: bool) -> None:
                 except Exception:
                     failures["grad"].append(f"{shape} {dtype} causal={causal} zigzag={zigzag} lse={use_lse}: "
                                             f"{traceback.format_exc(limit=4)}")
+    # Several tiles of query rows per key block (the default tile holds every row of these small shapes):
+    # the smallest tile, 8 rows, cuts across query heads and leaves a short last tile.
+    saved, attention_grad._TILE_ELEMENTS = attention_grad._TILE_ELEMENTS, 1
+    before = len(failures["grad"])
+    try:
+        for shape, dtype in ((SHAPES[3], torch.float32), (SHAPES[2], torch.float32), (SHAPES[2], torch.bfloat16)):
+            for causal in (False, True):
+                try:
+                    grad_case(shape, dtype, causal, False, None, True, True)
+                except Exception:
+                    failures["grad"].append(f"{shape} {dtype} causal={causal}: {traceback.format_exc(limit=4)}")
+    finally:
+        attention_grad._TILE_ELEMENTS = saved
+    failures["grad"][before:] = [f"[8-row tiles] {f}" for f in failures["grad"][before:]]
     check_errors()
     if opcheck:
         check_opcheck()

@@ -11,10 +11,10 @@ log-sum-exp, block by block, as FlashAttention's backward does, in fp32:
 with the gradient of the log-sum-exp output (``dlse``) folded into D. Keys and values of all ranks are
 gathered once (one all-gather of K and V together, in the input dtype); this rank's contributions to every
 rank's dk and dv (fp32) are summed onto their owners by one reduce-scatter. Memory: the gathered K/V
-(R blocks, as the forward's one-host path holds) and one block's [b, hq, s, s] scores at a time; key
-blocks the causal mask hides entirely are skipped. Grouped-query attention sums dk and dv over the query
-heads that share a key/value head. Every rank must run the backward (the gather and the reduce-scatter are
-collective). Gradients come back in the inputs' dtypes.
+(R blocks, as the forward's one-host path holds) and the scores of one tile of query rows at a time (about
+1 MiB); key blocks the causal mask hides entirely are skipped. Grouped-query attention sums dk and dv
+over the query heads that share a key/value head. Every rank must run the backward (the gather and the
+reduce-scatter are collective). Gradients come back in the inputs' dtypes.
 """
 from __future__ import annotations
 
@@ -41,6 +41,16 @@ def _first_and_last(rank: int, world: int, s: int, zigzag: bool) -> tuple[int, i
     return rank * s, (rank + 1) * s - 1
 
 
+def _row_tile(heads: int, rows: int, keys: int) -> int:
+    """Query rows per tile: one tile's probabilities ([heads, tile, keys] fp32) stay within about 1 MiB, so
+    they are recomputed, used and dropped while in cache (a whole block's, 16 MiB at b=1 hq=8 hkv=2
+    s=512, were fresh pages on every call)."""
+    return max(8, min(rows, _TILE_ELEMENTS // max(1, heads * keys)))
+
+
+_TILE_ELEMENTS = 1 << 18
+
+
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, name, causal, scale, zigzag = inputs
     out, lse = output
@@ -59,32 +69,42 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     # Every rank's K and V, [R, 2, b, hkv, s, d], by one gather in the input dtype.
     kv = all_gather(torch.stack([k, v]), ctx.name).view(R, 2, b, hkv, s, d)
 
-    # Queries grouped by the key/value head they use: [b, hkv, g, s, ...].
-    qf = q.float().reshape(b, hkv, g, s, d)
-    do = (dout.float() if dout is not None else torch.zeros_like(qf)).reshape(b, hkv, g, s, d)
-    lse_g = lse.reshape(b, hkv, g, s, 1)
-    delta = (do * out.float().reshape(b, hkv, g, s, d)).sum(-1, keepdim=True)
+    # The g query heads that share a key/value head, stacked along the rows: [b, hkv, g*s, ...]. Each block
+    # is then one product per kv head, and the sums of dk and dv over those g heads happen inside the
+    # products. Rows are taken in tiles (_row_tile). Measured on 2 ranks, b=1 hq=8 hkv=2 s=512 d=64 fp32,
+    # forward + backward: 86 ms with 5-D broadcast products and a sum over g, 66 ms stacked, 60-64 ms
+    # stacked and tiled (the unfused all-gather + SDPA step: 53-56 ms).
+    qf = q.float().reshape(b, hkv, g * s, d)
+    do = (dout.float() if dout is not None else torch.zeros_like(q, dtype=torch.float32)).reshape(b, hkv, g * s, d)
+    lse_g = lse.reshape(b, hkv, g * s, 1)
+    delta = (do * out.float().reshape(b, hkv, g * s, d)).sum(-1, keepdim=True)
     if dlse is not None:
-        delta = delta - dlse.float().reshape(b, hkv, g, s, 1)
+        delta = delta - dlse.float().reshape(b, hkv, g * s, 1)
 
     q_pos = _positions(me, R, s, ctx.zigzag).to(q.device)
     dq = torch.zeros_like(qf)
     dkv = torch.zeros((R, 2, b, hkv, s, d), dtype=torch.float32, device=q.device)
+    rows = _row_tile(b * hkv, g * s, s)
     for r in range(R):
         visible = None
         if ctx.causal:
             if _first_and_last(r, R, s, ctx.zigzag)[0] > _first_and_last(me, R, s, ctx.zigzag)[1]:
                 continue  # every key of block r comes after every query here
-            visible = _positions(r, R, s, ctx.zigzag).to(q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, s]
-        kr = kv[r, 0].float().unsqueeze(2)   # [b, hkv, 1, s, d]
-        vr = kv[r, 1].float().unsqueeze(2)
-        p = torch.exp(qf @ kr.transpose(-1, -2) * scale - lse_g)   # [b, hkv, g, s, s]
-        if visible is not None:
-            p = p.masked_fill(~visible, 0.0)
-        dkv[r, 1] = (p.transpose(-1, -2) @ do).sum(2)
-        ds = p.mul_((do @ vr.transpose(-1, -2)).sub_(delta))
-        dq += ds @ kr * scale
-        dkv[r, 0] = (ds.transpose(-1, -2) @ qf).sum(2) * scale
+            # [g*s, s]: row (head j, query i) may see key c
+            visible = (_positions(r, R, s, ctx.zigzag).to(q.device).unsqueeze(0) <= q_pos.unsqueeze(1)).repeat(g, 1)
+        kr = kv[r, 0].float()   # [b, hkv, s, d]
+        vr = kv[r, 1].float()
+        dk, dv = dkv[r, 0], dkv[r, 1]
+        for lo in range(0, g * s, rows):
+            hi = min(g * s, lo + rows)
+            qt, dot = qf[:, :, lo:hi], do[:, :, lo:hi]
+            p = torch.matmul(qt, kr.transpose(-1, -2)).mul_(scale).sub_(lse_g[:, :, lo:hi]).exp_()  # [b, hkv, T, s]
+            if visible is not None:
+                p.masked_fill_(~visible[lo:hi], 0.0)
+            dv.add_(p.transpose(-1, -2) @ dot)
+            ds = p.mul_(torch.matmul(dot, vr.transpose(-1, -2)).sub_(delta[:, :, lo:hi]))
+            dq[:, :, lo:hi].add_(ds @ kr, alpha=scale)
+            dk.add_(ds.transpose(-1, -2) @ qt, alpha=scale)
 
     # This rank's share of every rank's dk, dv, summed onto the rank that holds those positions.
     mine = reduce_scatter(dkv.view(R * 2 * b, hkv, s, d), ctx.name).view(2, b, hkv, s, d)
