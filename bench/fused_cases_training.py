@@ -149,7 +149,8 @@ def moe_layer_case(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> Cas
         counts = torch.bincount(flat, minlength=E)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=g)
-        return perm, counts.view(R, er).sum(1).tolist(), recv_counts.view(R, er).sum(1).tolist(), recv_counts.view(R, er)
+        rc = recv_counts.view(R, er)
+        return perm, counts.view(R, er).sum(1).tolist(), rc.sum(1).tolist(), rc
 
     def experts(received: torch.Tensor, rc: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out, row = [], 0

@@ -127,10 +127,12 @@ def run_ops(large: bool) -> None:
                   lambda: gemm_allreduce_case(7 * world, 5, 6, dtype, chunks))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks))
             # b with column-major strides (used in place, not copied)
-            check("allgather_gemm", name + " strided b", lambda: allgather_gemm_case(7, 5, 6, dtype, chunks, False, True))
+            check("allgather_gemm", name + " strided b",
+                  lambda: allgather_gemm_case(7, 5, 6, dtype, chunks, False, True))
             check("gemm_allreduce", f"m={7 * world} k=5 n=6 {dtype} chunks={chunks} strided b",
                   lambda: gemm_allreduce_case(7 * world, 5, 6, dtype, chunks, True))
-            check("gemm_reducescatter", name + " strided b", lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks, True))
+            check("gemm_reducescatter", name + " strided b",
+                  lambda: gemm_reducescatter_case(7, 5, 6, dtype, chunks, True))
     # gemm_reducescatter with 1 MiB blocks of fp32 partial sums (chunks of the collective path hold many rows)
     for dtype in DTYPES:
         chunks = rnd.choice(CHUNKS)

@@ -10,11 +10,13 @@ log-sum-exp, block by block, as FlashAttention's backward does, in fp32:
 
 with the gradient of the log-sum-exp output (``dlse``) folded into D. Keys and values of all ranks are
 gathered once (one all-gather of K and V together, in the input dtype); this rank's contributions to every
-rank's dk and dv (fp32) are summed onto their owners by one reduce-scatter. Memory: the gathered K/V
-(R blocks, as the forward's one-host path holds) and the scores of one tile of query rows at a time (about
-1 MiB); key blocks the causal mask hides entirely are skipped. Grouped-query attention sums dk and dv
-over the query heads that share a key/value head. Every rank must run the backward (the gather and the
-reduce-scatter are collective). Gradients come back in the inputs' dtypes.
+rank's dk and dv (fp32) are summed onto their owners by one reduce-scatter. The query heads that share a
+key/value head are stacked along the rows, so each block is one product per kv head. When the log-sum-exp
+output has no gradient (the usual case) on CPU, each block goes through ATen's FlashAttention backward
+kernel (_blocks_aten); otherwise through the products above in tiles of query rows whose scores stay near
+1 MiB (_blocks_tiled). Memory: the gathered K/V (R blocks, as the forward's one-host path holds) and one
+block's or tile's working set; key blocks the causal mask hides entirely are skipped. Every rank must run
+the backward (the gather and the reduce-scatter are collective). Gradients come back in the inputs' dtypes.
 """
 from __future__ import annotations
 
@@ -63,11 +65,11 @@ def _blocks_aten(qf: torch.Tensor, do: torch.Tensor, of: torch.Tensor, lse: torc
     583 ms for SDPA's own backward over the gathered sequence."""
     s = kv.shape[4]
     g = qf.shape[2] // max(1, s)
+    qf, do, of, lse = (t.contiguous() for t in (qf, do, of, lse))
     for r, visible in blocks:
         kr, vr = kv[r, 0].float(), kv[r, 1].float()
         if visible is None:
-            gq, gk, gv = _flash_backward(do.contiguous(), qf.contiguous(), kr, vr, of.contiguous(), lse.contiguous(), 0.0,
-                                         False, attn_mask=None, scale=scale)
+            gq, gk, gv = _flash_backward(do, qf, kr, vr, of, lse, 0.0, False, attn_mask=None, scale=scale)
             dq.add_(gq)
             dkv[r, 0], dkv[r, 1] = gk, gv
             continue

@@ -72,9 +72,9 @@ class Routing:
         start_in_rx = lengths.cumsum(0) - lengths
         seg = torch.repeat_interleave(torch.arange(R * er), lengths)
         y_of_rx = start_in_y[seg] + torch.arange(n_recv) - start_in_rx[seg]
-        # Rows are only ever gathered (index_select), never scattered: index_copy_ of [rows, f] measured
-        # 9 ms where index_select took 1.7 ms (4096 x 1024 fp32 rows, CPU). So each permutation is kept
-        # with its inverse.
+        # Rows are only ever gathered (index_select into a new tensor), never scattered (index_copy_ into
+        # an empty one, 20% slower for 4096 x 1024 fp32 rows on one core: 3.1 against 2.5 ms). So each
+        # permutation is kept with its inverse.
         self.perm, self.slot_of_pair = perm.to(handle.device), _inverse(perm).to(handle.device)
         self.y_of_rx, self.rx_of_y = y_of_rx.to(handle.device), _inverse(y_of_rx).to(handle.device)
 
