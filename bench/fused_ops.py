@@ -252,7 +252,9 @@ def main() -> int:
                     "launcher": launch.launcher,
                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "host": sorted(hosts), "load": os.getloadavg(), "families": families,
-                    "torch": torch.__version__, "time_per_measurement_s": args.time},
+                    "torch": torch.__version__, "time_per_measurement_s": args.time,
+                    # glibc malloc tuning changes these numbers (see bench/README.md): record it
+                    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}},
            "results": results}
     if launch.rank == 0:
         print(format_table(doc), flush=True)
