@@ -14,7 +14,9 @@ communication's CPU work, the kernel's network stack included, slows the computa
 any pipelining can do. Columns: op, shape, fused ms, unfused ms, speedup (unfused / fused), ideal ms,
 fused/ideal, both ms, fused/both. The five variants of a case are interleaved, one call each per
 round; each call starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides)
-and the table shows the median over the rounds. Results go to bench/results/fused-<tag>.json and .png.
+and the table shows the median over the rounds. Each row's detail also gives the median minor page faults
+per call of the fused and unfused variants (the maximum over ranks; whole process). Results go to
+bench/results/fused-<tag>.json and .png.
 
 Cases come from a registry (bench/fused_registry.py): every module bench/fused_cases_*.py registers
 factories with ``@register`` (see bench/fused_cases_gemm.py); a factory receives the Context and returns Case objects. Adding an op
@@ -28,6 +30,7 @@ import importlib
 import json
 import os
 import platform
+import resource
 import sys
 import threading
 import time
@@ -127,18 +130,29 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     one = _max_over_ranks(dist, torch, time.perf_counter() - t0)
     iters = int(min(max_iters, max(min_iters, len(fns) * seconds / max(one, 1e-6))))
     times = torch.zeros(len(fns), iters, dtype=torch.float64)
+    faults = torch.zeros(len(fns), iters, dtype=torch.float64)
     order = list(enumerate(fns.values()))
     for i in range(iters):
         for j, fn in order[i % len(order):] + order[:i % len(order)]:
             if settle > 0:
                 time.sleep(settle)
             _barrier(dist)
+            f0 = _minor_faults()
             t0 = time.perf_counter()
             fn()
             times[j, i] = time.perf_counter() - t0
+            faults[j, i] = _minor_faults() - f0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    med = times.median(dim=1).values
-    return {k: float(med[j].item()) for j, k in enumerate(fns)}, iters
+    dist.all_reduce(faults, op=dist.ReduceOp.MAX)
+    med, med_faults = times.median(dim=1).values, faults.median(dim=1).values
+    return ({k: float(med[j].item()) for j, k in enumerate(fns)}
+            | {f"{k}_faults": float(med_faults[j].item()) for j, k in enumerate(fns)}), iters
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (every thread): a call's fresh pages, which cost 1-2 us
+    each on a small VM and depend on the allocator's state (see bench/README.md, the malloc item)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -160,7 +174,10 @@ def format_table(doc: dict[str, Any]) -> str:
     lines.append(" | ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
     lines.append("-+-".join("-" * w for w in widths))
     for row, r in zip(rows, doc["results"]):
-        detail = f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{'; ' + r['note'] if r['note'] else ''})"
+        faults = (f"; page faults per call fused {r['fused_faults']:.0f}, unfused {r['unfused_faults']:.0f}"
+                  if "fused_faults" in r else "")
+        detail = (f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{faults}"
+                  f"{'; ' + r['note'] if r['note'] else ''})")
         lines.append(" | ".join(v.rjust(w) for v, w in zip(row, widths)) + detail)
     return "\n".join(lines)
 
@@ -239,7 +256,8 @@ def main() -> int:
             fns["both"] = Concurrently(case.compute, case.comm)
             secs, iters = measure(fns, args.time, args.min_iters, args.max_iters,
                                   dist, torch, args.chunks, args.settle_ms / 1e3)
-            row.update({f"{k}_ms": v * 1e3 for k, v in secs.items()})
+            row.update({f"{k}_ms": v * 1e3 for k, v in secs.items() if not k.endswith("_faults")})
+            row.update({k: v for k, v in secs.items() if k.endswith("_faults")})
             row["iters"] = iters
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
             results.append(row)
