@@ -184,8 +184,9 @@ def run(opcheck: bool) -> None:
                 except Exception:
                     failures["grad"].append(f"{shape} {dtype} causal={causal} zigzag={zigzag} lse={use_lse}: "
                                             f"{traceback.format_exc(limit=4)}")
-    # Several tiles of query rows per key block (the default tile holds every row of these small shapes):
-    # the smallest tile, 8 rows, cuts across query heads and leaves a short last tile.
+    # The tiled products (taken when the loss uses lse, as here) with several tiles of query rows per key
+    # block (the default tile holds every row of these small shapes): the smallest tile, 8 rows, cuts
+    # across query heads and leaves a short last tile.
     saved, attention_grad._TILE_ELEMENTS = attention_grad._TILE_ELEMENTS, 1
     before = len(failures["grad"])
     try:
