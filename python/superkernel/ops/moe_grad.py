@@ -115,7 +115,14 @@ def dispatch_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, c
     blocks = dy.float().split(per_expert)
     grad_x, grad_w = x.new_empty(_NOTHING), w.new_empty(_NOTHING)
     if need_x:
-        rows = torch.cat([blk @ w[e].float().t() for e, blk in enumerate(blocks)]).to(x.dtype)
+        # each expert's block straight into its rows of one buffer (no per-block products to concatenate:
+        # large temporaries are fresh pages, see bench/README.md's malloc item)
+        rows = torch.empty((dy.shape[0], w.shape[1]), dtype=torch.float32, device=dy.device)
+        lo = 0
+        for e, blk in enumerate(blocks):
+            torch.mm(blk, w[e].float().t(), out=rows[lo:lo + blk.shape[0]])
+            lo += blk.shape[0]
+        rows = rows.to(x.dtype)
         ones = torch.ones((rt.t, rt.k), dtype=x.dtype, device=x.device)
         grad_x = call(torch.ops.mk.moe_combine.default, rows, handle, ones, group_name)
     if need_w:
@@ -139,13 +146,14 @@ def combine_backward(dout: torch.Tensor, y: torch.Tensor, handle: torch.Tensor, 
     grad_y, grad_weights = y.new_empty(_NOTHING), topk_weights.new_empty(_NOTHING)
     if not (need_y or need_weights):
         return grad_y, grad_weights
-    dout_at = rt.to_experts(dout, per_token=True).float()   # [n_recv, f]: dout of each row's token
-    if need_y:
-        weight_at = rt.to_experts(topk_weights.reshape(rt.t * rt.k, 1)).float()
-        grad_y = (weight_at * dout_at).to(y.dtype)
+    # [n_recv, f]: dout of each row's token, a fresh tensor (to_experts gathers into a new one)
+    dout_at = rt.to_experts(dout, per_token=True).float()
     if need_weights:
         dots = torch.linalg.vecdot(y.float(), dout_at).unsqueeze(1)   # [n_recv, 1]
         grad_weights = rt.to_home(dots).view(rt.t, rt.k).to(topk_weights.dtype)
+    if need_y:  # (after the dots, which read dout_at: grad y is formed in its place, one buffer fewer)
+        weight_at = rt.to_experts(topk_weights.reshape(rt.t * rt.k, 1)).float()
+        grad_y = dout_at.mul_(weight_at).to(y.dtype)
     return grad_y, grad_weights
 
 
