@@ -10,25 +10,20 @@ import torch
 import torch.distributed as dist
 
 import superkernel.ops as mk
-from fused_registry import Case, Context, register
+from fused_registry import Case, Context, dtype_name, register, seeded
 
 # comm ~ compute for gemm_allreduce at about k ~ 2 F / bw (F: flop/s per rank, bw: link bytes/s): on this
 # VM (F ~ 5e10 single-thread fp32) about k ~ 60 over shm, ~100 at 10 Gbit/s, ~800 at 1 Gbit/s.
 DEFAULT_SHAPES = [(256, 256, 256), (1024, 128, 1024), (1024, 1024, 1024), (2048, 512, 2048)]
 
 
-def _gen(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-
-
 def _fmt(m: int, k: int, n: int, dtype: torch.dtype) -> str:
-    return f"{m}x{k}x{n} {str(dtype).replace('torch.', '')}"
+    return f"{m}x{k}x{n} {dtype_name(dtype)}"
 
 
 def allgather_gemm_case(ctx: Context, m: int, k: int, n: int) -> Case:
     R, g, dt = ctx.world_size, ctx.group, ctx.dtype
-    a, b = _gen((m, k), dt, ctx.rank), _gen((k, n), dt, 100)
+    a, b = seeded((m, k), dt, ctx.rank), seeded((k, n), dt, 100)
     gathered = torch.empty((R * m, k), dtype=dt)
 
     def unfused() -> torch.Tensor:
@@ -44,7 +39,7 @@ def allgather_gemm_case(ctx: Context, m: int, k: int, n: int) -> Case:
 
 def gemm_allreduce_case(ctx: Context, m: int, k: int, n: int) -> Case:
     g, dt = ctx.group, ctx.dtype
-    a, b = _gen((m, k), dt, ctx.rank), _gen((k, n), dt, 100 + ctx.rank)
+    a, b = seeded((m, k), dt, ctx.rank), seeded((k, n), dt, 100 + ctx.rank)
     c = torch.empty((m, n), dtype=dt)
 
     def unfused() -> torch.Tensor:
@@ -62,7 +57,7 @@ def gemm_allreduce_case(ctx: Context, m: int, k: int, n: int) -> Case:
 def gemm_reducescatter_case(ctx: Context, m: int, k: int, n: int) -> Case:
     R, g, dt = ctx.world_size, ctx.group, ctx.dtype
     m = max(R, m - m % R)
-    a, b = _gen((m, k), dt, ctx.rank), _gen((k, n), dt, 100 + ctx.rank)
+    a, b = seeded((m, k), dt, ctx.rank), seeded((k, n), dt, 100 + ctx.rank)
     full = torch.empty((m, n), dtype=dt)
     out = torch.empty((m // R, n), dtype=dt)
 

@@ -21,28 +21,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import superkernel.ops as mk
-from fused_registry import Case, Context, register
+from fused_registry import Case, Context, dtype_name, register, seeded
 from superkernel.ops.attention import zigzag_positions
 
 MOE_SHAPES = [(512, 512, 512, 2, 2), (2048, 512, 1024, 2, 2), (2048, 1024, 256, 2, 4)]
 ATTENTION_SHAPES = [(1, 8, 2, 512, 64), (1, 8, 8, 1024, 64)]
 
 
-def _gen(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(dtype)
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 # ------------------------------------------------------------------------------------------------ MoE
 def moe_cases_for(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> list[Case]:
     R, g, dt, me = ctx.world_size, ctx.group, ctx.dtype, ctx.rank
     E = R * er
-    x = _gen((t, h), dt, 10 + me)
-    w = _gen((er, h, f), dt, 20 + me, scale=h ** -0.5)
+    x = seeded((t, h), dt, 10 + me)
+    w = seeded((er, h, f), dt, 20 + me, scale=h ** -0.5)
     ids = torch.randint(0, E, (t, k), generator=torch.Generator().manual_seed(30 + me))
     tw = torch.rand(t, k, generator=torch.Generator().manual_seed(40 + me)).to(dt)
     y, _, handle = mk.moe_dispatch_gemm(x, ids, w, g)
@@ -110,7 +101,7 @@ def moe_cases_for(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> list
     rows = t * k
     flops = 2.0 * rows * h * f  # about this rank's share, when routing is uniform
     elt = x.element_size()
-    shape = f"t={t} h={h} f={f} k={k} E={E} {_dt(dt)}"
+    shape = f"t={t} h={h} f={f} k={k} E={E} {dtype_name(dt)}"
     return [
         Case(op="moe_dispatch_gemm", shape=shape, fused=lambda: mk.moe_dispatch_gemm(x, ids, w, g),
              unfused=dispatch_unfused, compute=lambda: expert_matmuls(received0, rc0), comm=dispatch_comm,
@@ -129,25 +120,41 @@ def moe_cases(ctx: Context) -> list[Case]:
 
 
 # ------------------------------------------------------------------------------------------------ attention
+def attention_layout(rank: int, world: int, s: int, causal: bool) -> tuple[bool, torch.Tensor | None]:
+    """(zigzag, mask) of a case: causal cases use the zigzag layout when s is even, and the boolean mask
+    [s, world*s] (True = attend) says which gathered key (every rank's block in rank order, each in its
+    layout) each of this rank's queries sees; None without a mask."""
+    zigzag = causal and s % 2 == 0
+    if not causal:
+        return zigzag, None
+    pos = torch.cat([zigzag_positions(r, world, s) if zigzag else torch.arange(r * s, (r + 1) * s)
+                     for r in range(world)])
+    mine = pos[rank * s:(rank + 1) * s]
+    return zigzag, pos.unsqueeze(0) <= mine.unsqueeze(1)
+
+
+def attend_gathered(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The unfused attention: queries q [b, hq, s, d] over the gathered keys and values kv
+    [R, 2, b, hkv, s, d] (kv heads repeated for grouped-query attention), by scaled_dot_product_attention."""
+    R, _, b, hkv, s, d = kv.shape
+    keys = kv[:, 0].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
+    vals = kv[:, 1].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
+    rep = q.shape[1] // hkv
+    if rep > 1:
+        keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+
 def attention_case(ctx: Context, b: int, hq: int, hkv: int, s: int, d: int, causal: bool) -> Case:
     R, g, dt, me = ctx.world_size, ctx.group, ctx.dtype, ctx.rank
-    q = _gen((b, hq, s, d), dt, 50 + me)
-    kv = _gen((2, b, hkv, s, d), dt, 60 + me)
+    q = seeded((b, hq, s, d), dt, 50 + me)
+    kv = seeded((2, b, hkv, s, d), dt, 60 + me)
     k, v = kv[0], kv[1]
     gathered = torch.empty((R, 2, b, hkv, s, d), dtype=dt)
-    zigzag = causal and s % 2 == 0
-    # Global positions of every rank's block, in gathered order, and of this rank's queries.
-    pos = torch.cat([zigzag_positions(r, R, s) if zigzag else torch.arange(r * s, (r + 1) * s) for r in range(R)])
-    mine = pos[me * s:(me + 1) * s]
-    mask = (pos.unsqueeze(0) <= mine.unsqueeze(1)) if causal else None  # True = attend
-    group_size = hq // hkv
+    zigzag, mask = attention_layout(me, R, s, causal)
 
     def sdpa() -> torch.Tensor:
-        keys = gathered[:, 0].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
-        vals = gathered[:, 1].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
-        if group_size > 1:
-            keys, vals = keys.repeat_interleave(group_size, 1), vals.repeat_interleave(group_size, 1)
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return attend_gathered(q, gathered, mask)
 
     def comm() -> None:
         dist.all_gather_into_tensor(gathered.view(-1), kv.reshape(-1), group=g)
@@ -158,7 +165,7 @@ def attention_case(ctx: Context, b: int, hq: int, hkv: int, s: int, d: int, caus
 
     comm()
     visible = 0.5 if causal else 1.0
-    return Case(op="ring_attention", shape=f"b={b} hq={hq} hkv={hkv} s={s}x{R} d={d}{' causal' if causal else ''} {_dt(dt)}",
+    return Case(op="ring_attention", shape=f"b={b} hq={hq} hkv={hkv} s={s}x{R} d={d}{' causal' if causal else ''} {dtype_name(dt)}",
                 fused=lambda: mk.ring_attention(q, k, v, g, causal=causal, zigzag=zigzag), unfused=unfused,
                 compute=sdpa, comm=comm,
                 note="causal: fused zigzag layout skips masked blocks; unfused SDPA masks" if causal else "",

@@ -26,11 +26,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 
 import superkernel.ops as mk
-from fused_registry import Case, Context, register
-from superkernel.ops.attention import zigzag_positions
+from fused_cases_moe_attention import attend_gathered, attention_layout
+from fused_registry import Case, Context, dtype_name, register, seeded
 
 GEMM_SHAPES = [(512, 512, 512), (1024, 1024, 1024)]
 MOE_SHAPES = [(2048, 512, 1024, 2, 2)]
@@ -39,27 +38,19 @@ ATTENTION_SHAPES = [(1, 8, 2, 512, 64)]
 
 def _gen(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0,
          grad: bool = False) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(dtype).requires_grad_(grad)
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _grads(out: torch.Tensor, inputs: Sequence[torch.Tensor], dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return torch.autograd.grad(out, inputs, dout)
+    return seeded(shape, dtype, seed, scale).requires_grad_(grad)
 
 
 def _step(forward: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor],
           dout: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
-    return lambda: _grads(forward(), inputs, dout)
+    """One training step: the forward, then the gradients of every input for the upstream gradient dout."""
+    return lambda: torch.autograd.grad(forward(), inputs, dout)
 
 
 # ------------------------------------------------------------------------------------------------ GEMM
 def gemm_cases_for(ctx: Context, m: int, k: int, n: int) -> list[Case]:
     R, g, dt, me = ctx.world_size, ctx.group, ctx.dtype, ctx.rank
-    shape = f"{m}x{k}x{n} {_dt(dt)} fwd+bwd"
+    shape = f"{m}x{k}x{n} {dtype_name(dt)} fwd+bwd"
     cases = []
 
     # allgather_gemm: c = cat_r(a_r) @ b
@@ -120,7 +111,7 @@ def gemm_cases_for(ctx: Context, m: int, k: int, n: int) -> list[Case]:
         dist.reduce_scatter_tensor(out, full, group=g)
         dist.all_gather_into_tensor(full, out, group=g)
 
-    cases.append(Case(op="gemm_reducescatter", shape=f"{m3}x{k}x{n} {_dt(dt)} fwd+bwd",
+    cases.append(Case(op="gemm_reducescatter", shape=f"{m3}x{k}x{n} {dtype_name(dt)} fwd+bwd",
                       fused=_step(lambda: mk.gemm_reducescatter(a3, b3, g, chunks=ctx.chunks), (a3, b3), dc3),
                       unfused=_step(lambda: funcol.reduce_scatter_single_autograd(a3 @ b3, "sum", 0, g), (a3, b3), dc3),
                       compute=rs_compute, comm=rs_comm))
@@ -192,7 +183,7 @@ def moe_layer_case(ctx: Context, t: int, h: int, f: int, k: int, er: int) -> Cas
         dist.all_to_all_single(rows_f, home_f, recv0, send0, group=g)
         dist.all_to_all_single(rows_h, recv_h, send0, recv0, group=g)
 
-    return Case(op="moe layer", shape=f"t={t} h={h} f={f} k={k} E={E} {_dt(dt)} fwd+bwd",
+    return Case(op="moe layer", shape=f"t={t} h={h} f={f} k={k} E={E} {dtype_name(dt)} fwd+bwd",
                 fused=_step(fused, (x, w, tw), dout), unfused=_step(unfused, (x, w, tw), dout),
                 compute=compute, comm=comm,
                 note="fused backward routes x again for grad w (one more all-to-all than unfused)",
@@ -206,22 +197,11 @@ def attention_case(ctx: Context, b: int, hq: int, hkv: int, s: int, d: int, caus
     k = _gen((b, hkv, s, d), dt, 60 + me, grad=True)
     v = _gen((b, hkv, s, d), dt, 70 + me, grad=True)
     dout = _gen((b, hq, s, d), dt, 80 + me)
-    zigzag = causal and s % 2 == 0
-    pos = torch.cat([zigzag_positions(r, R, s) if zigzag else torch.arange(r * s, (r + 1) * s) for r in range(R)])
-    mine = pos[me * s:(me + 1) * s]
-    mask = (pos.unsqueeze(0) <= mine.unsqueeze(1)) if causal else None
-    rep = hq // hkv
-
-    def sdpa(qq: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:   # kv: [R, 2, b, hkv, s, d]
-        keys = kv[:, 0].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
-        vals = kv[:, 1].permute(1, 2, 0, 3, 4).reshape(b, hkv, R * s, d)
-        if rep > 1:
-            keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-        return F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask)
+    zigzag, mask = attention_layout(me, R, s, causal)
 
     def unfused() -> torch.Tensor:
         kv = funcol.all_gather_single_autograd(torch.stack([k, v]).unsqueeze(0), 0, g)
-        return sdpa(q, kv)
+        return attend_gathered(q, kv, mask)
 
     kv0 = torch.zeros((R, 2, b, hkv, s, d), dtype=dt, requires_grad=True)
     q0 = q.detach().requires_grad_(True)
@@ -229,14 +209,14 @@ def attention_case(ctx: Context, b: int, hq: int, hkv: int, s: int, d: int, caus
     full = torch.empty((R, 2, b, hkv, s, d), dtype=dt)   # not kv0: "both" runs comm while compute uses kv0
 
     def compute() -> None:
-        torch.autograd.grad(sdpa(q0, kv0), (q0, kv0), dout)
+        torch.autograd.grad(attend_gathered(q0, kv0, mask), (q0, kv0), dout)
 
     def comm() -> None:
         dist.all_gather_into_tensor(full.view(-1), mine_kv.view(-1), group=g)
         dist.reduce_scatter_tensor(mine_kv.view(-1), full.reshape(-1), group=g)
 
     return Case(op="ring_attention", shape=f"b={b} hq={hq} hkv={hkv} s={s}x{R} d={d}{' causal' if causal else ''} "
-                                           f"{_dt(dt)} fwd+bwd",
+                                           f"{dtype_name(dt)} fwd+bwd",
                 fused=_step(lambda: mk.ring_attention(q, k, v, g, causal=causal, zigzag=zigzag)[0], (q, k, v), dout),
                 unfused=_step(unfused, (q, k, v), dout), compute=compute, comm=comm,
                 note="causal: fused zigzag layout skips masked blocks; unfused SDPA masks" if causal else "",

@@ -45,6 +45,20 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def seeded(shape: tuple[int, ...], dtype: Any, seed: int, scale: float = 1.0) -> Any:
+    """A deterministic standard-normal tensor (drawn in fp32, then cast), times ``scale``: the inputs of
+    every case, the same on every run."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(dtype)
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` -> ``float32`` (for the shape column)."""
+    return str(dtype).replace("torch.", "")
+
+
 Factory = Callable[[Context], list[Case]]
 REGISTRY: dict[str, Factory] = {}
 
