@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -501,6 +502,41 @@ def case_in_place(store: TensorStore) -> None:
     dist.barrier()
 
 
+def case_dead_holder() -> None:
+    """Rank 1 takes rank 0's allocator lock and exits. Rank 0's put that needs the lock must raise PeerError
+    naming the dead holder soon after the transport noticed (not after the store's 60 s timeout), and what is
+    already stored stays readable."""
+    from superkernel.memory import PeerError
+
+    c = "dead_holder"
+    store = TensorStore(capacity_per_rank=1 * MiB, timeout=60)
+    kept = gen("kept", (1000,))
+    if rank == 0:
+        store.put("kept", kept, rank=0)
+    dist.barrier()
+    if rank == 1:
+        store._lock(0)        # taken, never released: this process dies holding it
+        dist.barrier()
+        sys.stdout.flush()
+        os._exit(0)
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        store.put("new", gen("new", (1000,)), rank=0)
+        check(c, False, "a put needing the dead rank's lock succeeded")
+    except PeerError as e:
+        msg = str(e)
+        check(c, "held by rank 1" in msg and "gone" in msg and "rank 0's memory" in msg,
+              f"PeerError does not say who holds which lock: {msg}")
+        timings["dead_holder_message"] = msg
+    except Exception as e:  # noqa: BLE001
+        check(c, False, f"expected PeerError, got {type(e).__name__}: {e}")
+    waited = time.monotonic() - t0
+    timings["dead_holder_seconds"] = waited
+    check(c, waited < 15, f"the error took {waited:.1f} s (the store's timeout is 60 s)")
+    check(c, same(store.get("kept"), kept), "a tensor stored before the death is no longer readable")
+
+
 def run(name: str, fn, *args) -> None:  # noqa: ANN001
     t0 = time.perf_counter()
     try:
@@ -515,12 +551,19 @@ def main() -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(150, exit=True)   # a hang shows where, before world.py's kill
-    large = int(sys.argv[1]) if len(sys.argv) > 1 else 64 * MiB
+    large = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 64 * MiB
     # a case that fails on one rank leaves the others in a barrier: let it time out instead of hanging
     dist.init_process_group("mk", timeout=datetime.timedelta(seconds=40))
     rank, world = dist.get_rank(), dist.get_world_size()
     from superkernel.backend import transports
 
+    if "--dead-holder" in sys.argv:
+        run("dead_holder", case_dead_holder)
+        sys.stdout.write("REPORT " + json.dumps({"rank": rank, "world": world, "transports": transports(),
+                                                 "failures": dict(failures), "cases": ["dead_holder"],
+                                                 "timings": timings}) + "\n")
+        sys.stdout.flush()
+        os._exit(0)   # the group lost a rank: skip the collective teardown
     cases = [
         ("cross_rank", case_cross_rank, 4 * MiB, ()),
         ("concurrent", case_concurrent, 4 * MiB, ()),

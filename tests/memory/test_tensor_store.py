@@ -35,6 +35,17 @@ def test_store(world: int, transport: str, large: int, case: str) -> None:
         assert not rep["failures"].get(case), "\n".join(rep["failures"][case])
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dead_lock_holder_raises_peer_error(transport: str) -> None:
+    """A rank that dies holding an allocator lock: the next put needing that lock raises PeerError naming the
+    holder within seconds (the store's timeout is 60 s), and stored tensors stay readable."""
+    results = run_world(2, SUITE, ["--dead-holder"], timeout=120, env={"SUPERKERNEL_TRANSPORT": transport})
+    reps = [r.report() for r in results if r.rank == 0]
+    assert len(reps) == 1 and reps[0]["cases"] == ["dead_holder"]
+    assert not reps[0]["failures"].get("dead_holder"), "\n".join(reps[0]["failures"]["dead_holder"])
+    assert "dead_holder_message" in reps[0]["timings"]
+
+
 TWO_HOSTS_REASON = unavailable_reason()
 
 

@@ -68,8 +68,10 @@ Design (everything below is what the code does; the tests check it):
 Device tensors: the pool is host memory. ``put`` of a CUDA tensor copies it to the host first; ``get``
 returns a CPU tensor, or fills a device (or non-contiguous) ``out`` through a host copy.
 
-Limits: a rank that dies while holding an allocator lock leaves that rank's allocator locked (the next
-allocation there times out with a message naming the holder); the pool is one job, and a dead rank ends it.
+Limits: a rank that dies while holding an allocator lock leaves that rank's allocator locked: a put or delete
+that needs it raises ``PeerError`` naming the dead holder as soon as the transport noticed the death (the
+waiter checks the holder every 50 ms), instead of waiting out ``timeout``. The lock is not broken, because
+the dead rank may have left the allocator half-written. The pool is one job, and a dead rank ends it.
 """
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ import torch
 import torch.distributed as dist
 
 from superkernel.byte_sizes import format_bytes, parse_bytes
+from superkernel.memory.window import PeerError
 
 ALIGN = 4096
 DEFAULT_CAPACITY = 256 << 20
@@ -92,6 +95,7 @@ DEFAULT_CAPACITY = 256 << 20
 LOCK, USED, OBJECTS, NFREE, CAPACITY, FREES = 0, 1, 2, 3, 4, 5
 HEADER = 8        # then 2 * max_extents extent words, then one version word per ALIGN block
 _GUESS = 32        # extents read together with the header (more cost a second get)
+_HOLDER_PROBE = 0.05   # seconds between checks that the holder of a lock we wait for is alive
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
 _TOMBSTONE = "deleted "                       # + a unique token: the record of a deleted key
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
@@ -506,18 +510,36 @@ class TensorStore:
 
     def _lock(self, rank: int) -> None:
         me = self.rank + 1
-        deadline = time.monotonic() + self.timeout
+        now = time.monotonic()
+        deadline, probe = now + self.timeout, now + _HOLDER_PROBE
         pause = 0.0
         while True:
             holder = int(self._meta.compare_swap(rank, LOCK, 0, me))
             if holder == 0:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > probe:     # held for a while: is the holder still there?
+                self._check_holder(rank, holder - 1)
+                probe = now + _HOLDER_PROBE
+            if now > deadline:
                 raise TimeoutError(f"TensorStore: rank {self.rank} could not take rank {rank}'s allocator lock "
                                    f"within {self.timeout:g} s (held by rank {holder - 1})")
             if pause:
                 time.sleep(pause)
             pause = min(1e-3, pause * 2 if pause else 20e-6)
+
+    def _check_holder(self, rank: int, holder: int) -> None:
+        """Raise PeerError when ``holder`` (holding ``rank``'s allocator lock) has died: a one-sided read of its
+        allocator window fails once the transport noticed (shm: its process is gone; tcp: its connection)."""
+        if holder == self.rank or not 0 <= holder < self.world_size:
+            return          # another thread of this process, or not a rank (never written by this code)
+        try:
+            self._meta.get(holder, LOCK, torch.empty(1, dtype=torch.int64))
+        except PeerError as e:
+            raise PeerError(f"TensorStore: rank {self.rank} cannot allocate or free in rank {rank}'s memory: its "
+                            f"allocator lock is held by rank {holder}, which is gone ({e}). The lock stays taken "
+                            f"(the allocator may be half-updated): nothing can be placed in or freed from rank {rank}'s "
+                            f"memory any more in this job; stored tensors stay readable") from e
 
     def _unlock(self, rank: int) -> None:
         prev = int(self._meta.compare_swap(rank, LOCK, self.rank + 1, 0))
