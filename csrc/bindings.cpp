@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "store_worker.h"
 #include "transport/copy.h"
 #include "transport/deadline.h"
 #include "transport/host.h"
@@ -465,6 +466,32 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("src"),
       "Copy src's bytes into dst the way windows copy to and from mapped memory (bench/window_copy.py).");
+  py::class_<mk::StoreCall, std::shared_ptr<mk::StoreCall>>(
+      m, "StoreCall", "A c10d Store call running on superkernel's Store worker thread (csrc/store_worker.h).")
+      .def(
+          "wait",
+          [](mk::StoreCall& c, double timeout) {
+            std::vector<uint8_t> v;
+            try {
+              py::gil_scoped_release nogil;
+              v = c.wait(std::chrono::milliseconds(int64_t(timeout * 1000)));
+            } catch (const c10::Error& e) {  // the Store's own error (a timeout, a lost server)
+              throw std::runtime_error(e.what_without_backtrace());
+            }
+            return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+          },
+          py::arg("timeout"),
+          "The Store's answer (bytes), once. RuntimeError: the Store's error, or no answer within `timeout` s.")
+      .def("done", &mk::StoreCall::done, "Whether the answer (or an error) is there.");
+  m.def(
+      "store_compare_set_async",
+      [](const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& expected,
+         const std::string& desired) {
+        return mk::store_compare_set_async(store, key, std::vector<uint8_t>(expected.begin(), expected.end()),
+                                           std::vector<uint8_t>(desired.begin(), desired.end()));
+      },
+      py::arg("store"), py::arg("key"), py::arg("expected"), py::arg("desired"),
+      "store.compare_set(key, expected, desired) on superkernel's Store worker thread: returns a StoreCall at once.");
   m.def("copy_method", &mk::copy_method, py::arg("nbytes"),
         "How copy_bytes copies that many bytes: 'memcpy', 'pieces' or 'stream'.");
 

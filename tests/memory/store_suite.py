@@ -502,6 +502,122 @@ def case_in_place(store: TensorStore) -> None:
     dist.barrier()
 
 
+def case_publishing(store: TensorStore) -> None:
+    """New tensors of >= 1 MiB are copied while their record is published on the Store worker thread: that
+    path is taken exactly from 1 MiB; gets from other ranks during a storm of such puts return whole values;
+    no space leaks; and a put whose copy fails leaves the key as it was (old value, or absent) with the
+    space it had taken freed."""
+    import superkernel.memory.tensor_store as ts
+
+    c = "publishing"
+    real = ts._C
+
+    class Counting:          # counts the publications handed to the worker thread
+        calls = 0
+
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(real, name)
+
+        def store_compare_set_async(self, *args):  # noqa: ANN001, ANN201
+            Counting.calls += 1
+            return real.store_compare_set_async(*args)
+
+    ts._C = Counting()
+    try:
+        for n, want in ((MiB - 1, 0), (MiB, 1), (3 * MiB + 5, 1)):
+            before = Counting.calls
+            key = f"p/size/{rank}/{n}"
+            store.put(key, gen(key, (n,), torch.uint8))
+            check(c, Counting.calls - before == want, f"a new {n} B tensor took the overlapped path "
+                                                      f"{Counting.calls - before} times, expected {want}")
+            check(c, same(store.get(key), gen(key, (n,), torch.uint8)), f"{key} differs")
+    finally:
+        ts._C = real
+    dist.barrier()
+    # storm: every rank replaces shared keys with new >= 1 MiB tensors (a size of its own: never in place)
+    # and reads the others' keys meanwhile
+    shared = 3
+    for rnd in range(4):
+        for j in range(shared):
+            n = MiB + 4096 * (1 + rank) + j
+            store.put(f"p/s/{j}", torch.full((n,), rank + 1, dtype=torch.uint8))
+            try:
+                v = store.get(f"p/s/{(j + 1) % shared}")
+            except KeyError:
+                continue
+            owner = int(v[0].item()) - 1
+            check(c, 0 <= owner < world and v.numel() == MiB + 4096 * (1 + owner) + (j + 1) % shared
+                  and bool((v == owner + 1).all()), f"torn read of p/s/{(j + 1) % shared}: {v.numel()} B")
+    dist.barrier()
+    used = sum(reserved(n) for n in (MiB - 1, MiB, 3 * MiB + 5)) * world
+    for j in range(shared):
+        used += reserved(store.get(f"p/s/{j}").numel())
+    st = store.stats()
+    check(c, sum(u.used for u in st) == used, f"used {sum(u.used for u in st)} B, live keys reserve {used} B")
+    dist.barrier()
+    if rank == 0:       # a copy that fails after the record went out
+        old = gen("p/u", (MiB,), torch.uint8)
+        store.put("p/u", old)
+        used0, objects0 = sum(u.used for u in store.stats()), sum(u.objects for u in store.stats())
+        real_put = store._data.put
+
+        def failing(*args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            raise RuntimeError("injected copy failure")
+
+        store._data.put = failing
+        try:
+            for key in ("p/u", "p/u-new"):
+                try:
+                    store.put(key, gen("p/u2", (2 * MiB,), torch.uint8))
+                    check(c, False, f"put({key!r}) with a failing copy succeeded")
+                except RuntimeError as e:
+                    check(c, "injected" in str(e), f"put({key!r}) raised another error: {e}")
+        finally:
+            store._data.put = real_put
+        check(c, same(store.get("p/u"), old), "after a failed put the key does not hold its old value")
+        check(c, not store.exists("p/u-new"), "a new key whose put failed exists")
+        st = store.stats()
+        check(c, (sum(u.used for u in st), sum(u.objects for u in st)) == (used0, objects0),
+              f"a failed put left used/objects {sum(u.used for u in st)}/{sum(u.objects for u in st)}, "
+              f"before {used0}/{objects0}")
+    dist.barrier()
+    # a copy that fails after rank 1 deleted the key (replacing the failed put's record): rank 1's delete
+    # frees the failed put's extent, rank 0 frees the one its put had replaced, nothing comes back
+    st = store.stats()
+    base = (sum(u.used for u in st), sum(u.objects for u in st))
+    if rank == 0:
+        store.put("p/d", gen("p/d", (MiB,), torch.uint8))
+        first = store._read("p/d")
+        real_put = store._data.put
+
+        def published_then_fail(*args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            while store._read("p/d") == first:   # our record goes out on the worker thread
+                time.sleep(0.001)
+            dist.barrier()                         # rank 1 deletes now, replacing our record
+            time.sleep(0.3)
+            raise RuntimeError("injected copy failure")
+
+        store._data.put = published_then_fail
+        try:
+            store.put("p/d", gen("p/d2", (2 * MiB,), torch.uint8))
+            check(c, False, "put with a failing copy succeeded")
+        except RuntimeError as e:
+            check(c, "injected" in str(e), f"put raised another error: {e}")
+        finally:
+            store._data.put = real_put
+    else:
+        dist.barrier()
+        if rank == 1:
+            store.delete("p/d")   # waits for rank 0's version to turn even before it frees the extent
+    dist.barrier()
+    st = store.stats()
+    check(c, not store.exists("p/d"), "a deleted key came back after the failed put")
+    check(c, (sum(u.used for u in st), sum(u.objects for u in st)) == base,
+          f"after a failed put whose record was deleted meanwhile: used/objects "
+          f"{sum(u.used for u in st)}/{sum(u.objects for u in st)}, expected {base[0]}/{base[1]}")
+    dist.barrier()
+
+
 def case_dead_holder() -> None:
     """Rank 1 takes rank 0's allocator lock and exits. Rank 0's put that needs the lock must raise PeerError
     naming the dead holder soon after the transport noticed (not after the store's 60 s timeout), and what is
@@ -577,6 +693,7 @@ def main() -> None:
         ("subgroup", case_subgroup, 1 * MiB, ()),
         ("uneven", case_uneven, (rank + 1) * 256 * KiB, ()),
         ("in_place", case_in_place, 4 * MiB, ()),
+        ("publishing", case_publishing, 16 * MiB, ()),
     ]
     for name, fn, cap, extra in cases:
         store = TensorStore(capacity_per_rank=cap, timeout=60)

@@ -30,19 +30,30 @@ Design (everything below is what the code does; the tests check it):
   (the job's TCPStore), under a prefix of its own per TensorStore instance. Records are replaced with
   ``compare_set`` only, and whoever replaces a record frees the extent it named: of two concurrent puts of
   one key, the later publisher replaces the earlier one's record and frees its extent, so exactly one
-  extent per key stays allocated. Every record carries a unique token, so a record never reappears (no ABA).
+  extent per key stays allocated. Every record carries a unique token, so a record never reappears (no ABA;
+  one exception, a put whose copy failed, see "Publishing during the copy").
   A deleted key's record becomes a tombstone ``"deleted <token>"`` rather than disappearing; it is unique
   too, so a ``compare_set`` that returns the value it was asked to store has stored it (of two concurrent
   deletes of one key, exactly one frees the extent; the other raises KeyError).
 * Index. ``keys(prefix)`` lists the record keys under this store's prefix (``Store.list_keys``: TCPStore,
   FileStore and HashStore have it) and keeps those whose record (``multi_get``) is not a tombstone, so a put
-  of a new key costs one Store round trip. A Store without ``list_keys`` gets an append-only log instead:
-  each put of a new key (or one previously deleted) appends ``key + "\\n"`` to it with the Store's atomic
-  ``append`` after publishing the record (so every name in the log has a record), a second round trip.
+  of a new key costs one Store round trip (hidden behind the copy from 1 MiB, below). A Store without
+  ``list_keys`` gets an append-only log instead: each put of a new key (or one previously deleted) appends
+  ``key + "\\n"`` to it with the Store's atomic ``append`` after publishing the record (so every name in
+  the log has a record), a second round trip.
 * Versions. Every allocated extent has a version word in its rank's allocator window (one int64 per
   ``ALIGN`` block, indexed by the extent's first block): even when the extent is at rest, odd while a put
-  writes into it in place. Freeing an extent waits until its version is even and advances it by 2 (under
-  the allocator lock), so versions only grow and an extent is never freed under a writer.
+  writes into it in place or a new put is still copying into it after publishing its record (below). Freeing
+  an extent waits until its version is even and advances it by 2 (under the allocator lock), so versions only
+  grow and an extent is never freed under a writer.
+* Publishing during the copy. A put into a new extent of at least ``_OVERLAP_BYTES`` (1 MiB) sets the
+  extent's version odd, hands the record's first ``compare_set`` to superkernel's Store worker thread
+  (``csrc/store_worker.h``), copies the bytes meanwhile, sets the version even and then takes the Store's
+  answer, so the round trip hides behind the copy (``bench/memory.py``'s "serial" column is the put without
+  it). A get that finds the record before the bytes are there sees an odd version and waits, as for a put in
+  place. If the copy fails, the key gets back the record the put had replaced (the only case where a record
+  reappears; a process holding the failed put's record then finds its ``compare_set`` refused, as after any
+  replacement). Smaller tensors publish after their copy: waking the worker costs more than it hides.
 * Overwrite in place. When this process overwrites a key whose record it knows with a tensor of the same
   dtype and shape (and no other ``rank=``), the record stays as it is: the put takes the extent's version
   from v to v+1 with ``compare_swap`` (v is the version this process last saw: any free or other write
@@ -86,6 +97,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from superkernel import _C
 from superkernel.byte_sizes import format_bytes, parse_bytes
 from superkernel.memory.window import PeerError
 
@@ -96,6 +108,9 @@ LOCK, USED, OBJECTS, NFREE, CAPACITY, FREES = 0, 1, 2, 3, 4, 5
 HEADER = 8        # then 2 * max_extents extent words, then one version word per ALIGN block
 _GUESS = 32        # extents read together with the header (more cost a second get)
 _HOLDER_PROBE = 0.05   # seconds between checks that the holder of a lock we wait for is alive
+# A new tensor of at least this many bytes is copied while its record is published (the round trip hides
+# behind the copy); a smaller one is published after its copy (waking the worker would cost more than it hides)
+_OVERLAP_BYTES = 1 << 20
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
 _TOMBSTONE = "deleted "                       # + a unique token: the record of a deleted key
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
@@ -217,6 +232,8 @@ class TensorStore:
         # key -> the tombstone this process wrote when it deleted the key (the first guess of a later put)
         self._gone: dict[str, str] = {}
         self._scratch = torch.empty(1, dtype=torch.int64)
+        # how long to wait for a Store call made on the worker thread: the Store's own timeout, plus a margin
+        self._store_wait = self._store.timeout.total_seconds() + 10.0
         self._instance = uuid.uuid4().hex[:8]
         self.freed = False
         dist.barrier(group=group)
@@ -244,20 +261,27 @@ class TensorStore:
         frees = version = None
         if nbytes == 0:
             rec = Record(-1, 0, 0, t.dtype, tuple(t.shape), token)
+            text = rec.encode()
+            old = self._publish(key, text)
         else:
             where, offset = self._allocate(_round_up(nbytes), rank)
-            try:
-                self._data.put(where, offset, t.reshape(-1).view(torch.uint8))  # complete at the target
-            except BaseException:
-                self._free(where, offset, _round_up(nbytes), objects=1)
-                raise
             rec = Record(where, offset, nbytes, t.dtype, tuple(t.shape), token)
+            text = rec.encode()
             # nobody else knows the new extent before the record is published: its version is at rest, and
             # the counter read now (before the record becomes current) is valid for get's fast path
             version = self._version(where, offset)
             frees = self._frees(where)
-        text = rec.encode()
-        old = self._publish(key, text)
+            flat = t.reshape(-1).view(torch.uint8)
+            if nbytes >= _OVERLAP_BYTES:
+                old = self._put_publishing(key, text, rec, version, flat)
+                version += 2
+            else:
+                try:
+                    self._data.put(where, offset, flat)  # complete at the target
+                except BaseException:
+                    self._free(where, offset, rec.reserved, objects=1)
+                    raise
+                old = self._publish(key, text)
         if old:
             o = Record.decode(old)
             if o.rank >= 0:
@@ -450,22 +474,65 @@ class TensorStore:
     def _token(self) -> str:
         return f"{self.rank}.{self._instance}.{next(self._tokens)}"
 
-    def _publish(self, key: str, value: str) -> str:
+    def _first_guess(self, key: str) -> str:
+        """The record of ``key`` as this process last saw it, or the tombstone it wrote when it deleted it."""
+        known = self._known.get(key)
+        return known.text if known is not None else self._gone.pop(key, "")
+
+    def _publish(self, key: str, value: str, expected: str | None = None, got: str | None = None) -> str:
         """Replace the record of ``key`` with ``value`` (unique) atomically; returns the live record it
         replaced ("" if the key was missing or deleted).
         The first guess of the current record is the one this process last saw, or the tombstone it wrote
-        when it deleted the key (one round trip when right)."""
-        known = self._known.get(key)
-        expected = known.text if known is not None else self._gone.pop(key, "")
+        when it deleted the key (one round trip when right). ``expected`` and ``got``: a first compare_set
+        already made (its guess and the Store's answer), to go on from."""
+        if expected is None:
+            expected = self._first_guess(key)
         for _ in range(10000):
-            got = self._store.compare_set("k/" + key, expected, value).decode()
+            if got is None:
+                got = self._store.compare_set("k/" + key, expected, value).decode()
             if got == value:
                 return _live(expected)
-            if got == _MISSING:   # FileStore/HashStore report a missing key as the expected value
-                expected = ""
-                continue
-            expected = got
+            # (FileStore and HashStore report a missing key as the expected value)
+            expected, got = ("" if got == _MISSING else got), None
         raise RuntimeError(f"TensorStore: could not update the record of {key!r} (contention)")
+
+    def _put_publishing(self, key: str, text: str, rec: Record, version: int, flat: torch.Tensor) -> str:
+        """Copy ``flat`` into the new extent of ``rec`` while its record ``text`` is published: the first
+        compare_set goes to superkernel's Store worker thread (csrc/store_worker.h) before the copy starts, so
+        the round trip hides behind the copy. The extent's version is odd meanwhile, so a get that finds the
+        record waits for the bytes, as it does for a put in place. Returns the live record it replaced.
+
+        If the copy fails, the key gets back the record it had, and the copy's error is raised. (If another put
+        or delete replaced our record meanwhile, that one frees our extent, and the record ours replaced is
+        freed here, as any replaced record is.)"""
+        where, word = rec.rank, self._versions + rec.offset // ALIGN
+        if int(self._meta.compare_swap(where, word, version, version + 1)) != version:
+            raise RuntimeError(f"TensorStore: the version of rank {where}'s new extent at byte {rec.offset} changed "
+                               f"before its record was published (a bug)")
+        expected = self._first_guess(key)
+        call = _C.store_compare_set_async(self._store, "k/" + key, expected, text)
+        try:
+            self._data.put(where, rec.offset, flat)  # complete at the target
+        except BaseException:
+            self._meta.compare_swap(where, word, version + 1, version + 2)
+            self._unpublish(key, text, expected, call, rec)
+            raise
+        self._meta.compare_swap(where, word, version + 1, version + 2)
+        return self._publish(key, text, expected, call.wait(self._store_wait).decode())
+
+    def _unpublish(self, key: str, text: str, expected: str, call: Any, rec: Record) -> None:
+        """(A put whose copy failed) Undo the publication of ``text`` if it happened and free our extent; if a
+        later put or delete replaced our record first, it frees our extent, and we free the one we replaced."""
+        try:
+            if call.wait(self._store_wait).decode() == text:   # published: put back what it replaced
+                if self._store.compare_set("k/" + key, text, expected).decode() != expected:
+                    replaced = _live(expected)
+                    if replaced and (o := Record.decode(replaced)).rank >= 0:
+                        self._free(o.rank, o.offset, o.reserved, objects=1)
+                    return
+            self._free(rec.rank, rec.offset, rec.reserved, objects=1)
+        except Exception:       # noqa: BLE001  (the copy's error is the one to report; an extent may leak)
+            pass
 
     def _output(self, key: str, rec: Record, out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
