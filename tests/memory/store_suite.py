@@ -618,6 +618,47 @@ def case_publishing(store: TensorStore) -> None:
     dist.barrier()
 
 
+def case_cold_get(store: TensorStore) -> None:
+    """A get of a key this process has not seen yet costs one c10d Store round trip when the owner's memory is
+    mapped here (same host: the free counter validates the copy), two otherwise (the record is read again);
+    the next get of it none. An empty tensor costs one."""
+    c = "cold_get"
+    if rank == 0:
+        for r in range(world):
+            store.put(f"g/{r}", gen(f"g/{r}", (1000 + r,)), rank=r)
+        store.put("g/empty", torch.empty(0, 3))
+    dist.barrier()
+    if rank != 0:
+        real = store._store
+
+        class Counting:        # counts the Store round trips of get (each is one compare_set)
+            calls = 0
+
+            def __getattr__(self, name: str):  # noqa: ANN204
+                return getattr(real, name)
+
+            def compare_set(self, *args):  # noqa: ANN001, ANN201
+                Counting.calls += 1
+                return real.compare_set(*args)
+
+        store._store = Counting()
+        try:
+            for r in range(world):
+                near = store._data.transport(r) in ("self", "shm")
+                for want, what in ((1 if near else 2, "first"), (0, "second")):
+                    n0 = Counting.calls
+                    got = store.get(f"g/{r}")
+                    check(c, Counting.calls - n0 == want, f"{what} get of a key on rank {r} "
+                          f"({store._data.transport(r)}) took {Counting.calls - n0} Store round trips, expected {want}")
+                    check(c, same(got, gen(f"g/{r}", (1000 + r,))), f"g/{r} differs")
+            n0 = Counting.calls
+            got = store.get("g/empty")
+            check(c, Counting.calls - n0 == 1 and tuple(got.shape) == (0, 3), "get of an empty tensor")
+        finally:
+            store._store = real
+    dist.barrier()
+
+
 def case_dead_holder() -> None:
     """Rank 1 takes rank 0's allocator lock and exits. Rank 0's put that needs the lock must raise PeerError
     naming the dead holder soon after the transport noticed (not after the store's 60 s timeout), and what is
@@ -694,6 +735,7 @@ def main() -> None:
         ("uneven", case_uneven, (rank + 1) * 256 * KiB, ()),
         ("in_place", case_in_place, 4 * MiB, ()),
         ("publishing", case_publishing, 16 * MiB, ()),
+        ("cold_get", case_cold_get, 1 * MiB, ()),
     ]
     for name, fn, cap, extra in cases:
         store = TensorStore(capacity_per_rank=cap, timeout=60)

@@ -67,7 +67,10 @@ Design (everything below is what the code does; the tests check it):
   on that rank) and the version, copy, read both again. The counter must still be the value it had when
   the record was last seen current: every put or delete that replaces a record frees that record's
   extent before it returns, so an unchanged counter proves that no completed operation replaced the key.
-  Otherwise (or on any change) the slow path above. ``put``/``delete`` likewise first try ``compare_set``
+  Otherwise (or on any change) the slow path above, with one Store round trip instead of two when the owner's
+  memory is mapped here (same host): it reads the free counters of those ranks before the record (loads, no
+  round trip), and an owner's counter unchanged after the copy proves the same as above, so the second read
+  of the record is skipped. ``put``/``delete`` likewise first try ``compare_set``
   against the record this process last saw. A get that keeps finding the key changing, or a version that
   stays odd, gives up after ``timeout`` with a TimeoutError naming the extent.
 * Ordering. Operations on one key are sequentially consistent: every process sees one order of the puts
@@ -232,6 +235,8 @@ class TensorStore:
         # key -> the tombstone this process wrote when it deleted the key (the first guess of a later put)
         self._gone: dict[str, str] = {}
         self._scratch = torch.empty(1, dtype=torch.int64)
+        # ranks whose allocator counters this process reads with plain loads (mapped memory): see get()
+        self._near = [r for r in range(self.world_size) if self._meta.transport(r) in ("self", "shm")]
         # how long to wait for a Store call made on the worker thread: the Store's own timeout, plus a margin
         self._store_wait = self._store.timeout.total_seconds() + 10.0
         self._instance = uuid.uuid4().hex[:8]
@@ -316,6 +321,9 @@ class TensorStore:
                     if self._version(rec.rank, rec.offset) == v and self._frees(rec.rank) == known.frees:
                         known.version = v
                         return dst
+        # the free counters of the ranks whose memory is mapped here, read before the record (loads, no round
+        # trip): if the owner's is unchanged after the copy, the record was current all along (see above)
+        before = {r: self._frees(r) for r in self._near}
         text = self._read(key)
         deadline = time.monotonic() + self.timeout
         pause = 10e-6
@@ -325,15 +333,19 @@ class TensorStore:
                 raise KeyError(key)
             rec = Record.decode(text)
             dst = self._output(key, rec, out)
-            frees = version = None
-            whole = True
-            if rec.nbytes:
-                frees = self._frees(rec.rank)
-                version = self._version(rec.rank, rec.offset)
-                whole = version % 2 == 0
-                if whole:
-                    self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
-                    whole = self._version(rec.rank, rec.offset) == version
+            if not rec.nbytes:   # no bytes that a concurrent operation could tear
+                self._remember(key, text, rec, None, None)
+                return dst
+            frees = self._frees(rec.rank)
+            version = self._version(rec.rank, rec.offset)
+            whole = version % 2 == 0
+            if whole:
+                self._data.get(rec.rank, rec.offset, dst.reshape(-1).view(torch.uint8))
+                whole = self._version(rec.rank, rec.offset) == version
+                if whole and before.get(rec.rank) == self._frees(rec.rank):
+                    self._remember(key, text, rec, before[rec.rank], version)
+                    return dst
+            before = {}         # a retry validates with a second read of the record
             again = self._read(key)
             if again == text and whole:
                 self._remember(key, text, rec, frees, version)
