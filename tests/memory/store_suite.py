@@ -694,6 +694,58 @@ def case_dead_holder() -> None:
     check(c, same(store.get("kept"), kept), "a tensor stored before the death is no longer readable")
 
 
+def case_dead_writer(mode: str) -> None:
+    """Rank 1 dies in the middle of a put into rank 0's memory: a put of a new tensor after its record went out
+    (mode "publish"), or a put in place (mode "inplace"). Rank 0's get of the key must raise PeerError naming
+    rank 1 soon after the transport noticed (not after the store's 60 s timeout), and deleting the key, then
+    putting it again, must work."""
+    from superkernel.memory import PeerError
+
+    c = "dead_writer"
+    store = TensorStore(capacity_per_rank=8 * MiB, timeout=60)
+    if rank == 0:
+        store.put("w", gen("w", (MiB,), torch.uint8), rank=0)
+    dist.barrier()
+    if rank == 1:
+        first = store._read("w")
+        store.get("w")      # now rank 1 knows the record (and its version): a same-shape put goes in place
+
+        def die(*args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            while mode == "publish" and store._read("w") == first:   # our record goes out first
+                time.sleep(0.001)
+            dist.barrier()
+            sys.stdout.flush()
+            os._exit(0)     # the version word stays odd, naming rank 1
+
+        store._data.put = die
+        shape = (MiB,) if mode == "inplace" else (2 * MiB,)
+        store.put("w", gen("w2", shape, torch.uint8), rank=0)
+    dist.barrier()
+    # as a process that has not read the key (rank 0 itself may still read the old value on its fast path in
+    # mode "publish": the dead put never freed the old extent, so for rank 0 it never completed)
+    store._known.pop("w", None)
+    t0 = time.monotonic()
+    try:
+        store.get("w")
+        check(c, False, "a get of a tensor whose writer died returned")
+    except PeerError as e:
+        check(c, "rank 1" in str(e) and "gone" in str(e), f"PeerError does not name the dead writer: {e}")
+        timings["dead_writer_message"] = str(e)
+    except Exception as e:  # noqa: BLE001
+        check(c, False, f"expected PeerError, got {type(e).__name__}: {e}")
+    timings["dead_writer_get_seconds"] = time.monotonic() - t0
+    check(c, time.monotonic() - t0 < 15, f"the get's error took {time.monotonic() - t0:.1f} s (timeout 60 s)")
+    t0 = time.monotonic()
+    try:
+        store.delete("w")
+        again = gen("w3", (3000,))
+        store.put("w", again, rank=0)
+        check(c, same(store.get("w"), again), "the key put again after the dead writer reads back wrong")
+    except Exception as e:  # noqa: BLE001
+        check(c, False, f"delete/put after the dead writer failed: {type(e).__name__}: {e}")
+    check(c, time.monotonic() - t0 < 15, f"delete and put took {time.monotonic() - t0:.1f} s (timeout 60 s)")
+
+
 def run(name: str, fn, *args) -> None:  # noqa: ANN001
     t0 = time.perf_counter()
     try:
@@ -714,10 +766,15 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from superkernel.backend import transports
 
-    if "--dead-holder" in sys.argv:
-        run("dead_holder", case_dead_holder)
+    dead = {"--dead-holder": ("dead_holder", case_dead_holder, ()),
+            "--dead-writer=publish": ("dead_writer", case_dead_writer, ("publish",)),
+            "--dead-writer=inplace": ("dead_writer", case_dead_writer, ("inplace",))}
+    mode = next((a for a in sys.argv[1:] if a in dead), None)
+    if mode is not None:
+        name, fn, extra = dead[mode]
+        run(name, fn, *extra)
         sys.stdout.write("REPORT " + json.dumps({"rank": rank, "world": world, "transports": transports(),
-                                                 "failures": dict(failures), "cases": ["dead_holder"],
+                                                 "failures": dict(failures), "cases": [name],
                                                  "timings": timings}) + "\n")
         sys.stdout.flush()
         os._exit(0)   # the group lost a rank: skip the collective teardown

@@ -46,6 +46,18 @@ def test_dead_lock_holder_raises_peer_error(transport: str) -> None:
     assert "dead_holder_message" in reps[0]["timings"]
 
 
+@pytest.mark.parametrize("mode", ["publish", "inplace"])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dead_writer_raises_peer_error(transport: str, mode: str) -> None:
+    """A rank that dies while writing a tensor (a new one after its record went out, or one in place): a get
+    raises PeerError naming it within seconds, and the key can be deleted and put again."""
+    results = run_world(2, SUITE, [f"--dead-writer={mode}"], timeout=120, env={"SUPERKERNEL_TRANSPORT": transport})
+    reps = [r.report() for r in results if r.rank == 0]
+    assert len(reps) == 1 and reps[0]["cases"] == ["dead_writer"]
+    assert not reps[0]["failures"].get("dead_writer"), "\n".join(reps[0]["failures"]["dead_writer"])
+    assert "dead_writer_message" in reps[0]["timings"]
+
+
 TWO_HOSTS_REASON = unavailable_reason()
 
 

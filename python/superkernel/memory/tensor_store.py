@@ -43,9 +43,12 @@ Design (everything below is what the code does; the tests check it):
   the log has a record), a second round trip.
 * Versions. Every allocated extent has a version word in its rank's allocator window (one int64 per
   ``ALIGN`` block, indexed by the extent's first block): even when the extent is at rest, odd while a put
-  writes into it in place or a new put is still copying into it after publishing its record (below). Freeing
-  an extent waits until its version is even and advances it by 2 (under the allocator lock), so versions only
-  grow and an extent is never freed under a writer.
+  writes into it in place or a new put is still copying into it after publishing its record (below); an odd
+  word also names the writer (its rank + 1 from bit 48 up). Freeing an extent waits until its version is
+  even and advances it by 2 (under the allocator lock), so versions only grow and an extent is never freed
+  under a writer. A writer that died never finishes: a get that waits on it raises ``PeerError`` naming it
+  (checked every 50 ms, once the transport noticed the death), and a free ends its write and goes on, so
+  the key can be put again or deleted.
 * Publishing during the copy. A put into a new extent of at least ``_OVERLAP_BYTES`` (1 MiB) sets the
   extent's version odd, hands the record's first ``compare_set`` to superkernel's Store worker thread
   (``csrc/store_worker.h``), copies the bytes meanwhile, sets the version even and then takes the Store's
@@ -85,7 +88,11 @@ returns a CPU tensor, or fills a device (or non-contiguous) ``out`` through a ho
 Limits: a rank that dies while holding an allocator lock leaves that rank's allocator locked: a put or delete
 that needs it raises ``PeerError`` naming the dead holder as soon as the transport noticed the death (the
 waiter checks the holder every 50 ms), instead of waiting out ``timeout``. The lock is not broken, because
-the dead rank may have left the allocator half-written. The pool is one job, and a dead rank ends it.
+the dead rank may have left the allocator half-written. A rank that dies while writing a tensor leaves a get
+of that key raising ``PeerError`` (see Versions) until the key is put again or deleted. If the dead write was
+a replacing put of >= 1 MiB whose record had gone out, the extent of the record it replaced stays allocated
+(freeing it was the dead put's job), and a process that still knows the old record may read the old value
+on its fast path. The pool is one job, and a dead rank ends it.
 """
 from __future__ import annotations
 
@@ -114,6 +121,8 @@ _HOLDER_PROBE = 0.05   # seconds between checks that the holder of a lock we wai
 # A new tensor of at least this many bytes is copied while its record is published (the round trip hides
 # behind the copy); a smaller one is published after its copy (waking the worker would cost more than it hides)
 _OVERLAP_BYTES = 1 << 20
+# an odd version word carries its writer's rank + 1 from this bit up (the version itself stays below it)
+_WRITER = 48
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
 _TOMBSTONE = "deleted "                       # + a unique token: the record of a deleted key
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
@@ -171,6 +180,21 @@ class RankUsage:
     @property
     def free(self) -> int:
         return self.capacity - self.used
+
+
+def _writing(v: int, rank: int) -> int:
+    """The odd version word that says "rank is writing this extent, which was at version v (even)"."""
+    return v + 1 + ((rank + 1) << _WRITER)
+
+
+def _writer(v: int) -> int:
+    """The rank that wrote an odd version word (see _writing)."""
+    return (v >> _WRITER) - 1
+
+
+def _after(v: int) -> int:
+    """The even version that follows the write announced by the odd word v."""
+    return (v & ((1 << _WRITER) - 1)) + 1
 
 
 def _round_up(n: int) -> int:
@@ -326,6 +350,7 @@ class TensorStore:
         before = {r: self._frees(r) for r in self._near}
         text = self._read(key)
         deadline = time.monotonic() + self.timeout
+        probe = time.monotonic() + _HOLDER_PROBE
         pause = 10e-6
         while True:
             if not text:
@@ -355,7 +380,13 @@ class TensorStore:
                                    f"{self.timeout:g} s: the key kept changing, or a put writing rank {rec.rank}'s "
                                    f"extent at byte {rec.offset} did not finish")
             if again == text:
-                time.sleep(pause)   # a put in place is writing: let it finish
+                if version % 2 and time.monotonic() > probe:    # writing for a while: is the writer alive?
+                    if self._gone_error(_writer(version)) is not None:
+                        raise PeerError(f"TensorStore.get({key!r}): rank {_writer(version)}, which was writing this "
+                                        f"tensor (rank {rec.rank}'s extent at byte {rec.offset}), is gone: its bytes "
+                                        f"are incomplete; put the key again or delete it")
+                    probe = time.monotonic() + _HOLDER_PROBE
+                time.sleep(pause)   # a put is writing: let it finish
                 pause = min(1e-3, pause * 2)
             text = again     # overwritten or deleted while we copied: the extent may have been reused
 
@@ -469,17 +500,17 @@ class TensorStore:
         if (v is None or rec.rank < 0 or t.dtype != rec.dtype or tuple(t.shape) != rec.shape
                 or (rank is not None and rank != rec.rank)):
             return False
-        word = self._versions + rec.offset // ALIGN
-        if int(self._meta.compare_swap(rec.rank, word, v, v + 1)) != v:
+        word, odd = self._versions + rec.offset // ALIGN, _writing(v, self.rank)
+        if int(self._meta.compare_swap(rec.rank, word, v, odd)) != v:
             known.version = None     # freed, or written by another process since: use the ordinary put
             return False
         try:
             self._data.put(rec.rank, rec.offset, t.reshape(-1).view(torch.uint8))   # complete at the target
         finally:
-            got = int(self._meta.compare_swap(rec.rank, word, v + 1, v + 2))
-        if got != v + 1:
+            got = int(self._meta.compare_swap(rec.rank, word, odd, v + 2))
+        if got != odd:
             raise RuntimeError(f"TensorStore: rank {self.rank} wrote rank {rec.rank}'s extent at byte {rec.offset} in "
-                               f"place but its version changed from {v + 1} to {got} meanwhile (a bug)")
+                               f"place but its version changed from {odd} to {got} meanwhile (a bug)")
         known.version = v + 2
         return True
 
@@ -517,8 +548,8 @@ class TensorStore:
         If the copy fails, the key gets back the record it had, and the copy's error is raised. (If another put
         or delete replaced our record meanwhile, that one frees our extent, and the record ours replaced is
         freed here, as any replaced record is.)"""
-        where, word = rec.rank, self._versions + rec.offset // ALIGN
-        if int(self._meta.compare_swap(where, word, version, version + 1)) != version:
+        where, word, odd = rec.rank, self._versions + rec.offset // ALIGN, _writing(version, self.rank)
+        if int(self._meta.compare_swap(where, word, version, odd)) != version:
             raise RuntimeError(f"TensorStore: the version of rank {where}'s new extent at byte {rec.offset} changed "
                                f"before its record was published (a bug)")
         expected = self._first_guess(key)
@@ -526,10 +557,10 @@ class TensorStore:
         try:
             self._data.put(where, rec.offset, flat)  # complete at the target
         except BaseException:
-            self._meta.compare_swap(where, word, version + 1, version + 2)
+            self._meta.compare_swap(where, word, odd, version + 2)
             self._unpublish(key, text, expected, call, rec)
             raise
-        self._meta.compare_swap(where, word, version + 1, version + 2)
+        self._meta.compare_swap(where, word, odd, version + 2)
         return self._publish(key, text, expected, call.wait(self._store_wait).decode())
 
     def _unpublish(self, key: str, text: str, expected: str, call: Any, rec: Record) -> None:
@@ -610,15 +641,23 @@ class TensorStore:
     def _check_holder(self, rank: int, holder: int) -> None:
         """Raise PeerError when ``holder`` (holding ``rank``'s allocator lock) has died: a one-sided read of its
         allocator window fails once the transport noticed (shm: its process is gone; tcp: its connection)."""
-        if holder == self.rank or not 0 <= holder < self.world_size:
-            return          # another thread of this process, or not a rank (never written by this code)
-        try:
-            self._meta.get(holder, LOCK, torch.empty(1, dtype=torch.int64))
-        except PeerError as e:
+        e = self._gone_error(holder)
+        if e is not None:
             raise PeerError(f"TensorStore: rank {self.rank} cannot allocate or free in rank {rank}'s memory: its "
                             f"allocator lock is held by rank {holder}, which is gone ({e}). The lock stays taken "
                             f"(the allocator may be half-updated): nothing can be placed in or freed from rank {rank}'s "
                             f"memory any more in this job; stored tensors stay readable") from e
+
+    def _gone_error(self, rank: int) -> PeerError | None:
+        """The PeerError of a one-sided read of ``rank``'s allocator window once the transport noticed that rank
+        died (shm: its process is gone; tcp: its connection), else None (alive, this process, or not a rank)."""
+        if rank == self.rank or not 0 <= rank < self.world_size:
+            return None
+        try:
+            self._meta.get(rank, LOCK, torch.empty(1, dtype=torch.int64))
+        except PeerError as e:
+            return e
+        return None
 
     def _unlock(self, rank: int) -> None:
         prev = int(self._meta.compare_swap(rank, LOCK, self.rank + 1, 0))
@@ -641,13 +680,20 @@ class TensorStore:
 
     def _retire(self, rank: int, offset: int) -> None:
         """(Under ``rank``'s allocator lock) advance the version of the extent at ``offset`` by 2, waiting
-        for a put in place that is writing into it to finish: a put in place can no longer start on it."""
+        for a put that is writing into it to finish: a put in place can no longer start on it. A writer that
+        died (its rank is in the odd version word) never finishes: its write is ended here."""
         word = self._versions + offset // ALIGN
         deadline = time.monotonic() + self.timeout
+        probe = time.monotonic() + _HOLDER_PROBE
         while True:
             v = self._version(rank, offset)
             if v % 2 == 0 and int(self._meta.compare_swap(rank, word, v, v + 2)) == v:
                 return
+            if v % 2 and time.monotonic() > probe:
+                if self._gone_error(_writer(v)) is not None:    # it will never finish: end its write for it
+                    self._meta.compare_swap(rank, word, v, _after(v))
+                    continue
+                probe = time.monotonic() + _HOLDER_PROBE
             if time.monotonic() > deadline:
                 raise TimeoutError(f"TensorStore: rank {self.rank} frees rank {rank}'s extent at byte {offset}, but a "
                                    f"put writing into it in place did not finish within {self.timeout:g} s")
