@@ -2,14 +2,11 @@
 
 #include <c10/util/Exception.h>
 
-#include <deque>
-#include <functional>
 #include <stdexcept>
-#include <thread>
 #include <utility>
 
 #include "transport/futex.h"
-#include "transport/host.h"
+#include "transport/job_thread.h"
 
 namespace mk {
 namespace {
@@ -18,52 +15,9 @@ using Clock = std::chrono::steady_clock;
 // How long a waiter polls for its answer before it sleeps (about one Store round trip on an idle machine).
 constexpr auto kWaitSpin = std::chrono::microseconds(50);
 
-class StoreWorker {
- public:
-  StoreWorker() : thread_([this] { run(); }) {}
-  ~StoreWorker() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  StoreWorker(const StoreWorker&) = delete;
-  StoreWorker& operator=(const StoreWorker&) = delete;
-
-  void post(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back(std::move(job));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  void run() {
-    name_this_thread("mk-store-calls");
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [this] { return !jobs_.empty() || stop_; });
-      if (jobs_.empty()) return;  // stopping, nothing left
-      std::function<void()> job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      job();  // never throws: the job keeps its outcome in its StoreCall
-      lock.lock();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts once the members above exist
-};
-
-StoreWorker& worker() {
-  static StoreWorker w;
+// One per process, started at the first call (see store_worker.h).
+JobThread& worker() {
+  static JobThread w("mk-store-calls");
   return w;
 }
 

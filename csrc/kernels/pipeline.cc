@@ -20,6 +20,7 @@
 #include "transport/comm.h"
 #include "transport/deadline.h"
 #include "transport/host.h"
+#include "transport/job_thread.h"
 #include "transport/error.h"
 #include "transport/process_group.h"
 
@@ -273,49 +274,9 @@ void Pending::wait() {
 
 // ---------------------------------------------------------------- Lane
 
-// A thread that issues mk collectives in order and waits for each, so that ProcessGroupMK's inline path
-// (small collectives run on the calling thread) never blocks the compute thread.
-class Lane {
- public:
-  Lane() : thread_([this] {
-    name_this_thread("mk-ops-lane");
-    loop();
-  }) {}
-  ~Lane() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void post(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(fn));
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      auto fn = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      fn();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
-  std::thread thread_;
-};
+// A lane: a thread that issues mk collectives in order and waits for each, so that ProcessGroupMK's inline
+// path (small collectives run on the calling thread) never blocks the compute thread.
+using Lane = JobThread;
 
 // One lane per group, kept for the life of the process (a thread per op call would cost more than a small
 // op); idle lanes only sleep on their condition variable.
@@ -324,7 +285,7 @@ Lane& lane_of(const Group& g) {
   static std::map<std::pair<std::string, const void*>, std::unique_ptr<Lane>> lanes;
   std::lock_guard<std::mutex> lock(mu);
   auto& l = lanes[key_of(g)];
-  if (!l) l = std::make_unique<Lane>();
+  if (!l) l = std::make_unique<Lane>("mk-ops-lane");
   return *l;
 }
 

@@ -511,25 +511,19 @@ def case_publishing(store: TensorStore) -> None:
 
     c = "publishing"
     real = ts._C
+    counted = _CountingStore(real)
 
-    class Counting:          # counts the publications handed to the worker thread
-        calls = 0
+    def handed() -> int:     # publications handed to the worker thread so far
+        return counted.calls.get("store_compare_set_async", 0)
 
-        def __getattr__(self, name: str):  # noqa: ANN204
-            return getattr(real, name)
-
-        def store_compare_set_async(self, *args):  # noqa: ANN001, ANN201
-            Counting.calls += 1
-            return real.store_compare_set_async(*args)
-
-    ts._C = Counting()
+    ts._C = counted
     try:
         for n, want in ((MiB - 1, 0), (MiB, 1), (3 * MiB + 5, 1)):
-            before = Counting.calls
+            before = handed()
             key = f"p/size/{rank}/{n}"
             store.put(key, gen(key, (n,), torch.uint8))
-            check(c, Counting.calls - before == want, f"a new {n} B tensor took the overlapped path "
-                                                      f"{Counting.calls - before} times, expected {want}")
+            check(c, handed() - before == want, f"a new {n} B tensor took the overlapped path "
+                                                f"{handed() - before} times, expected {want}")
             check(c, same(store.get(key), gen(key, (n,), torch.uint8)), f"{key} differs")
     finally:
         ts._C = real
@@ -630,30 +624,24 @@ def case_cold_get(store: TensorStore) -> None:
     dist.barrier()
     if rank != 0:
         real = store._store
+        counted = _CountingStore(real)
 
-        class Counting:        # counts the Store round trips of get (each is one compare_set)
-            calls = 0
+        def trips() -> int:  # Store round trips so far: get makes each with one compare_set
+            return counted.calls.get("compare_set", 0)
 
-            def __getattr__(self, name: str):  # noqa: ANN204
-                return getattr(real, name)
-
-            def compare_set(self, *args):  # noqa: ANN001, ANN201
-                Counting.calls += 1
-                return real.compare_set(*args)
-
-        store._store = Counting()
+        store._store = counted
         try:
             for r in range(world):
                 near = store._data.transport(r) in ("self", "shm")
                 for want, what in ((1 if near else 2, "first"), (0, "second")):
-                    n0 = Counting.calls
+                    n0 = trips()
                     got = store.get(f"g/{r}")
-                    check(c, Counting.calls - n0 == want, f"{what} get of a key on rank {r} "
-                          f"({store._data.transport(r)}) took {Counting.calls - n0} Store round trips, expected {want}")
+                    check(c, trips() - n0 == want, f"{what} get of a key on rank {r} "
+                          f"({store._data.transport(r)}) took {trips() - n0} Store round trips, expected {want}")
                     check(c, same(got, gen(f"g/{r}", (1000 + r,))), f"g/{r} differs")
-            n0 = Counting.calls
+            n0 = trips()
             got = store.get("g/empty")
-            check(c, Counting.calls - n0 == 1 and tuple(got.shape) == (0, 3), "get of an empty tensor")
+            check(c, trips() - n0 == 1 and tuple(got.shape) == (0, 3), "get of an empty tensor")
         finally:
             store._store = real
     dist.barrier()

@@ -561,13 +561,20 @@ class TensorStore:
             self._unpublish(key, text, expected, call, rec)
             raise
         self._meta.compare_swap(where, word, odd, version + 2)
-        return self._publish(key, text, expected, call.wait(self._store_wait).decode())
+        return self._publish(key, text, expected, self._answer(call, key))
+
+    def _answer(self, call: Any, key: str) -> str:
+        """The Store's answer to a compare_set made on the worker thread; its error names this rank and key."""
+        try:
+            return call.wait(self._store_wait).decode()
+        except RuntimeError as e:
+            raise RuntimeError(f"TensorStore: rank {self.rank} publishing the record of {key!r}: {e}") from e
 
     def _unpublish(self, key: str, text: str, expected: str, call: Any, rec: Record) -> None:
         """(A put whose copy failed) Undo the publication of ``text`` if it happened and free our extent; if a
         later put or delete replaced our record first, it frees our extent, and we free the one we replaced."""
         try:
-            if call.wait(self._store_wait).decode() == text:   # published: put back what it replaced
+            if self._answer(call, key) == text:   # published: put back what it replaced
                 if self._store.compare_set("k/" + key, text, expected).decode() != expected:
                     replaced = _live(expected)
                     if replaced and (o := Record.decode(replaced)).rank >= 0:
