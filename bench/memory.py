@@ -31,6 +31,7 @@ bench/results/memory-<tag>.*. This is a benchmark, not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -44,7 +45,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -256,11 +257,57 @@ def _throughput_fresh(put: Callable[[int], None], drop: Callable[[int], None], s
     return size * iters / spent / 1e9
 
 
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
+
+
+@contextlib.contextmanager
+def _store_worker_linger(c_module: Any, microseconds: int) -> Iterator[None]:
+    before = c_module.set_store_worker_linger(microseconds)
+    try:
+        yield
+    finally:
+        c_module.set_store_worker_linger(before)
+
+
+def _isolated(store: Any, tensor_store: Any, src: Any, dst: Any, key: str, target: int, gap: float = 0.002,
+              iters: int = 25) -> dict[str, float]:
+    """Median microseconds of a new-key put and of a cold get made ``gap`` s after the previous operation (the
+    machine idles in between), as the store routes them (after such a pause: on the calling thread) and with
+    the Store worker thread forced."""
+    out: dict[str, float] = {"gap_ms": gap * 1e3}
+    for route, warm in (("chosen", tensor_store._WARM_NS), ("worker", 1 << 62)):
+        puts, gets = [], []
+        with _patched(tensor_store, "_WARM_NS", warm):
+            for i in range(iters):
+                time.sleep(gap)
+                t0 = time.perf_counter()
+                store.put(f"{key}/iso{i}", src, rank=target)
+                puts.append(time.perf_counter() - t0)
+                time.sleep(gap)
+                store.delete(f"{key}/iso{i}")
+                time.sleep(gap)
+                store._known.pop(key, None)
+                t0 = time.perf_counter()
+                store.get(key, out=dst)
+                gets.append(time.perf_counter() - t0)
+        out[f"newput_{route}_us"] = statistics.median(puts) * 1e6
+        out[f"coldget_{route}_us"] = statistics.median(gets) * 1e6
+    return out
+
+
 def store_side(sizes: list[int], args: argparse.Namespace, rank: int, n: int) -> tuple[list[dict[str, Any]], str]:
     import torch
     import torch.distributed as dist
 
     try:
+        from superkernel import _C
         from superkernel.memory import tensor_store
         from superkernel.memory.tensor_store import TensorStore
     except Exception as e:  # noqa: BLE001
@@ -286,28 +333,31 @@ def store_side(sizes: list[int], args: argparse.Namespace, rank: int, n: int) ->
                 dst = torch.empty(size, dtype=torch.uint8)
                 key = f"bench/{size}"
                 put = _throughput(lambda: store.put(key, src, rank=target), size, iters)
-                new_put = _throughput_fresh(lambda i: store.put(f"{key}/new{i}", src, rank=target),
-                                            lambda i: store.delete(f"{key}/new{i}"), size, iters)
-                # the same with the record published after the copy (no overlap with the Store round trip)
-                overlap_from, tensor_store._OVERLAP_BYTES = tensor_store._OVERLAP_BYTES, 1 << 62
-                try:
-                    serial_put = _throughput_fresh(lambda i: store.put(f"{key}/ser{i}", src, rank=target),
-                                                   lambda i: store.delete(f"{key}/ser{i}"), size, iters)
-                finally:
-                    tensor_store._OVERLAP_BYTES = overlap_from
-                get = _throughput(lambda: store.get(key, out=dst), size, iters)
+                def new_puts(tag: str) -> float:
+                    return _throughput_fresh(lambda i: store.put(f"{key}/{tag}{i}", src, rank=target),
+                                             lambda i: store.delete(f"{key}/{tag}{i}"), size, iters)
 
                 def cold_get() -> None:   # as a process that has not seen the key: its record from the Store
                     store._known.pop(key, None)
                     store.get(key, out=dst)
 
+                new_put = new_puts("new")
+                # the same with the Store worker sleeping at once after each call (no linger: every put wakes it)
+                with _store_worker_linger(_C, 0):
+                    asleep_put = new_puts("zz")
+                # the same with the record published after the copy (no overlap with the Store round trip)
+                with _patched(tensor_store, "_OVERLAP_BYTES", 1 << 62):
+                    serial_put = new_puts("ser")
+                # the same with every Store call on the calling thread (none on the worker thread)
+                with _patched(tensor_store, "_WARM_NS", 0):
+                    caller_put = new_puts("cal")
+                    coldget_caller = _throughput(cold_get, size, iters)
+                get = _throughput(lambda: store.get(key, out=dst), size, iters)
                 coldget = _throughput(cold_get, size, iters)
                 # the same, validated by a second read of the record instead of the owner's free counter
-                near, store._near = store._near, []
-                try:
+                with _patched(store, "_near", []):
                     coldget_serial = _throughput(cold_get, size, iters)
-                finally:
-                    store._near = near
+                isolated = _isolated(store, tensor_store, src, dst, key, target) if size == sizes[0] else None
                 ok = torch.equal(dst, src)
                 buf = memoryview(src.numpy())
                 rput = _throughput(lambda: redis.client.set(key, buf), size, iters)
@@ -327,7 +377,9 @@ def store_side(sizes: list[int], args: argparse.Namespace, rank: int, n: int) ->
                 rows.append({"bytes": size, "iters": iters, "store_put_GBps": put, "store_get_GBps": get,
                              "redis_put_GBps": rput, "redis_get_GBps": rget_bw,
                              "store_newput_GBps": new_put, "store_newput_serial_GBps": serial_put,
+                             "store_newput_asleep_GBps": asleep_put, "store_newput_caller_GBps": caller_put,
                              "store_coldget_GBps": coldget, "store_coldget_serial_GBps": coldget_serial,
+                             "store_coldget_caller_GBps": coldget_caller, "isolated": isolated,
                              "redis_newput_GBps": rnew_put,
                              "check": "ok" if ok and rok else f"store {'ok' if ok else 'WRONG'}, "
                                                               f"redis {'ok' if rok else 'WRONG'}",
@@ -375,18 +427,22 @@ def format_one_sided(doc: dict[str, Any]) -> str:
 
 def format_store(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
+    nan = float("nan")
     lines = [f"# tensor store: rank 0 puts/gets uint8 tensors; TensorStore data on rank {meta.get('store_rank', 1)} "
              f"({meta['route']}); Redis {meta.get('redis_version', '?')} on 127.0.0.1 (redis-py); GB/s = 1e9 B/s"]
-    lines.append("# put = overwrite of one key (same shape); new = put of a new key (deleted after, untimed); serial = "
-                 "the same, its record published after the copy instead of during it (how new keys went before)")
-    lines.append(f"{'size':>10} | {'TensorStore':^43} | {'Redis':^32} | {'store/redis':^26}")
-    lines.append(f"{'':>10} | {'put GB/s':>10} {'new GB/s':>10} {'serial':>10} {'get GB/s':>10} | {'put GB/s':>10} "
-                 f"{'new GB/s':>10} {'get GB/s':>10} | {'put':>8} {'new':>8} {'get':>8}")
+    lines.append("# put = overwrite of one key (same shape); new = put of a new key (deleted after, untimed), one "
+                 "after the other; the same new-key puts: asleep = the Store worker thread sleeping at once after "
+                 "each call (no linger), serial = the record published after the copy instead of during it, caller "
+                 "= every Store call on the calling thread (none on the worker)")
+    lines.append(f"{'size':>10} | {'TensorStore':^65} | {'Redis':^32} | {'store/redis':^26}")
+    lines.append(f"{'':>10} | {'put GB/s':>10} {'new GB/s':>10} {'asleep':>10} {'serial':>10} {'caller':>10} "
+                 f"{'get GB/s':>10} | {'put GB/s':>10} {'new GB/s':>10} {'get GB/s':>10} | {'put':>8} {'new':>8} "
+                 f"{'get':>8}")
     for r in doc["store"]:
         flag = "" if r["check"] == "ok" else " !"
-        serial = r.get("store_newput_serial_GBps")
+        alt = [r.get(f"store_newput_{k}_GBps", nan) for k in ("asleep", "serial", "caller")]
         lines.append(f"{format_size(r['bytes']):>10} | {r['store_put_GBps']:>10.3f} {r['store_newput_GBps']:>10.3f} "
-                     f"{serial if serial is not None else float('nan'):>10.3f} "
+                     + " ".join(f"{v:>10.3f}" for v in alt) + " "
                      f"{r['store_get_GBps']:>10.3f} | {r['redis_put_GBps']:>10.3f} {r['redis_newput_GBps']:>10.3f} "
                      f"{r['redis_get_GBps']:>10.3f} | {_x(r['store_put_GBps'], r['redis_put_GBps']):>8} "
                      f"{_x(r['store_newput_GBps'], r['redis_newput_GBps']):>8} "
@@ -395,14 +451,22 @@ def format_store(doc: dict[str, Any]) -> str:
             lines.append(f"# ! {format_size(r['bytes'])}: {r['check']}")
     cold = [r for r in doc["store"] if "store_coldget_GBps" in r]
     if cold:
-        lines.append("# cold get = a get by a process that has not seen the key (its record comes from the Store); "
-                     "serial = the same with the copy validated by a second Store read of the record, not the owner's "
-                     "free counter (how cold gets went before)")
-        lines.append(f"{'size':>10} | {'cold get GB/s':>13} {'serial':>10} | {'Redis get':>10} | {'cold/redis':>10}")
+        lines.append("# cold get = a get by a process that has not seen the key (its record comes from the Store), one "
+                     "after the other; serial = the same with the copy validated by a second Store read of the record, "
+                     "not the owner's free counter; caller = every Store call on the calling thread")
+        lines.append(f"{'size':>10} | {'cold get GB/s':>13} {'serial':>10} {'caller':>10} | {'Redis get':>10} | "
+                     f"{'cold/redis':>10}")
         for r in cold:
             lines.append(f"{format_size(r['bytes']):>10} | {r['store_coldget_GBps']:>13.3f} "
-                         f"{r['store_coldget_serial_GBps']:>10.3f} | {r['redis_get_GBps']:>10.3f} | "
-                         f"{_x(r['store_coldget_GBps'], r['redis_get_GBps']):>10}")
+                         f"{r['store_coldget_serial_GBps']:>10.3f} {r.get('store_coldget_caller_GBps', nan):>10.3f} | "
+                         f"{r['redis_get_GBps']:>10.3f} | {_x(r['store_coldget_GBps'], r['redis_get_GBps']):>10}")
+    for r in doc["store"]:
+        iso = r.get("isolated")
+        if iso:
+            lines.append(f"# isolated {format_size(r['bytes'])} calls, {iso['gap_ms']:g} ms apart (median us): new-key "
+                         f"put {iso['newput_chosen_us']:.1f} as routed (calling thread after a pause), "
+                         f"{iso['newput_worker_us']:.1f} on the worker; cold get {iso['coldget_chosen_us']:.1f} as "
+                         f"routed, {iso['coldget_worker_us']:.1f} on the worker")
     rt = meta.get("store_round_trip_us")
     if rt:
         lines.append(f"# a new key costs one c10d Store compare_set round trip: {rt['median']:.1f} us median "
@@ -487,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing")
     p.add_argument("--burst", type=int, default=16, help="operations per flush in the bandwidth tests")
     p.add_argument("--time", type=float, default=0.1, help="seconds of timed calls per one-sided point")
-    p.add_argument("--store-iters", type=int, default=20, help="max repetitions per store size")
+    p.add_argument("--store-iters", type=int, default=200, help="max repetitions per store size")
     p.add_argument("--store-bytes", type=float, default=2e9, help="bytes moved per store size and op, at most")
     p.add_argument("--store-server", choices=["process", "rank0"], default="process",
                    help="who serves torch's TCPStore: a helper process (as torchrun's agent does; default) "

@@ -10,6 +10,7 @@
 #include "transport/copy.h"
 #include "transport/deadline.h"
 #include "transport/host.h"
+#include "transport/pool_allocator.h"
 #include "transport/process_group.h"
 #include "transport/window.h"
 
@@ -69,6 +70,11 @@ mk::Deadline window_deadline(const mk::Window& w, std::optional<double> timeout)
   if (!timeout) return w.comm().deadline();
   if (*timeout < 0) throw py::value_error("superkernel Window: timeout must be >= 0 seconds");
   return mk::Deadline::after(std::chrono::milliseconds(int64_t(*timeout * 1000.0)));
+}
+
+std::chrono::milliseconds pool_timeout(double seconds) {
+  if (!(seconds >= 0)) throw py::value_error("superkernel TensorStore: timeout must be >= 0 seconds");
+  return std::chrono::milliseconds(int64_t(std::min(seconds, 1e9) * 1000.0));
 }
 
 struct PyWindow : std::enable_shared_from_this<PyWindow> {
@@ -492,6 +498,15 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("key"), py::arg("expected"), py::arg("desired"),
       "store.compare_set(key, expected, desired) on superkernel's Store worker thread: returns a StoreCall at once.");
+  m.def(
+      "set_store_worker_linger",
+      [](int64_t microseconds) {
+        if (microseconds < 0) throw py::value_error("set_store_worker_linger: microseconds must be >= 0");
+        return int64_t(mk::set_store_worker_linger(std::chrono::microseconds(microseconds)).count());
+      },
+      py::arg("microseconds"),
+      "How long the Store worker thread polls for its next call before it sleeps (default 250 us); returns the "
+      "previous value.");
   m.def("copy_method", &mk::copy_method, py::arg("nbytes"),
         "How copy_bytes copies that many bytes: 'memcpy', 'pieces' or 'stream'.");
 
@@ -605,6 +620,40 @@ PYBIND11_MODULE(_C, m) {
            "vectorcall builtins with the signatures of superkernel.memory.Window's methods (no Python frame, no "
            "pybind dispatch).")
       .def("fence", [](const PyWindow& p, int target) { window_call([&] { p.w().fence(target); }); }, py::arg("rank"))
+      // TensorStore's allocator on this (int64 allocator) window: csrc/transport/pool_allocator.h
+      .def("pool_allocate",
+           [](PyWindow& p, int64_t need, int only, int64_t versions, int64_t align, double timeout) {
+             return window_call([&] {
+               py::gil_scoped_release nogil;
+               auto a = mk::PoolAllocator(p.w(), size_t(versions), align, pool_timeout(timeout)).allocate(need, only);
+               return std::make_tuple(a.rank, a.offset, a.version, a.frees, a.largest);
+             });
+           },
+           py::arg("need"), py::arg("only"), py::arg("versions"), py::arg("align"), py::arg("timeout"),
+           "(rank, offset, version, frees, largest): `need` bytes reserved on rank `only` (>= 0) or by free capacity; "
+           "rank -1 when nothing fits (largest: the largest free extent).")
+      .def("pool_release",
+           [](PyWindow& p, int rank, int64_t offset, int64_t length, int64_t objects, int64_t versions, int64_t align,
+              double timeout) {
+             return window_call([&] {
+               py::gil_scoped_release nogil;
+               return mk::PoolAllocator(p.w(), size_t(versions), align, pool_timeout(timeout))
+                   .release(rank, offset, length, objects);
+             });
+           },
+           py::arg("rank"), py::arg("offset"), py::arg("length"), py::arg("objects"), py::arg("versions"),
+           py::arg("align"), py::arg("timeout"),
+           "Free [offset, offset + length) of `rank`'s data; returns its free counter as it was before.")
+      .def("pool_usage",
+           [](PyWindow& p, int rank, int64_t versions, int64_t align) {
+             return window_call([&] {
+               py::gil_scoped_release nogil;
+               auto u = mk::PoolAllocator(p.w(), size_t(versions), align, std::chrono::milliseconds(0)).usage(rank);
+               return std::make_tuple(u.capacity, u.used, u.objects, u.free_extents, u.largest_free);
+             });
+           },
+           py::arg("rank"), py::arg("versions"), py::arg("align"),
+           "(capacity, used, objects, free extents, largest free extent) of `rank` (a snapshot, no lock).")
       .def("wait_notify",
            [](const PyWindow& p, int64_t tag, std::optional<double> timeout) {
              if (tag < 0) throw py::index_error("superkernel Window.wait_notify: tag must be >= 0");

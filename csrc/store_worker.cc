@@ -17,11 +17,15 @@ constexpr auto kWaitSpin = std::chrono::microseconds(50);
 
 // One per process, started at the first call (see store_worker.h).
 JobThread& worker() {
-  static JobThread w("mk-store-calls");
+  static JobThread w("mk-store-calls", kLinger);
   return w;
 }
 
 }  // namespace
+
+std::chrono::microseconds set_store_worker_linger(std::chrono::microseconds linger) {
+  return worker().set_linger(linger);
+}
 
 bool StoreCall::done() const { return done_.load(std::memory_order_acquire); }
 

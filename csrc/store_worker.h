@@ -1,11 +1,13 @@
 // c10d Store calls run on a thread of their own, so the caller can overlap a Store round trip with its own
 // work: TensorStore.put publishes the record of a new tensor while it copies the tensor's bytes.
 //
-// One worker thread per process, started at the first call; it sleeps on a condition variable between calls
-// (it never spins: on 2 cores a spinning worker took the CPU the Store's server needed, and the overlapped
-// put got slower, not faster). The waiter polls for the answer for a short while (kWaitSpin) before it
-// sleeps, because the answer usually arrives about then and waking a sleeping thread costs tens of
-// microseconds on a VM.
+// One worker thread per process, started at the first call. After a call it polls for the next one for
+// kLinger (250 us), then sleeps on a condition variable: waking a sleeping thread costs 10-30 us on a VM (and
+// the Store's server wakes slower while that core idles), so a run of puts pays it once, not per put
+// (bench/memory.py's "asleep" column: the same puts with no linger). It never polls while a call is in
+// flight, nor for longer: on 2 cores a worker that always polled took the CPU the Store's server needed, and
+// the overlapped put got slower, not faster. The waiter polls for its answer for a short while (kWaitSpin)
+// before it sleeps, because the answer usually arrives about then.
 //
 // Timeouts: the worker makes an ordinary blocking Store call, bounded by the Store's own timeout;
 // StoreCall::wait takes a limit of its own on top (pass more than the Store's timeout), so a worker stuck past
@@ -28,6 +30,11 @@
 namespace mk {
 
 class StoreCall;
+
+// How long the worker polls for the next call after one (then it sleeps).
+constexpr std::chrono::microseconds kLinger{250};
+// Change it (0: sleep at once); returns the previous value. For benchmarks and tests.
+std::chrono::microseconds set_store_worker_linger(std::chrono::microseconds linger);
 // store->compareSet(key, expected, desired) on the worker thread; the StoreCall yields its answer.
 std::shared_ptr<StoreCall> store_compare_set_async(const c10::intrusive_ptr<c10d::Store>& store, std::string key,
                                                    std::vector<uint8_t> expected, std::vector<uint8_t> desired);

@@ -2,11 +2,17 @@
 
 #include <utility>
 
+#include "transport/futex.h"
 #include "transport/host.h"
 
 namespace mk {
 
-JobThread::JobThread(std::string name) : name_(std::move(name)), thread_([this] { run(); }) {}
+JobThread::JobThread(std::string name, std::chrono::microseconds linger)
+    : name_(std::move(name)), linger_us_(linger.count()), thread_([this] { run(); }) {}
+
+std::chrono::microseconds JobThread::set_linger(std::chrono::microseconds linger) {
+  return std::chrono::microseconds(linger_us_.exchange(linger.count(), std::memory_order_relaxed));
+}
 
 JobThread::~JobThread() {
   {
@@ -21,6 +27,7 @@ void JobThread::post(std::function<void()> job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.push_back(std::move(job));
+    queued_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
 }
@@ -33,8 +40,15 @@ void JobThread::run() {
     if (jobs_.empty()) return;  // stopping, nothing left
     std::function<void()> job = std::move(jobs_.front());
     jobs_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_relaxed);
     lock.unlock();
     job();
+    job = nullptr;
+    // linger: poll for the next job (re-reading the linger, which set_linger may change meanwhile)
+    for (const auto done = std::chrono::steady_clock::now();
+         queued_.load(std::memory_order_acquire) == 0 &&
+         std::chrono::steady_clock::now() - done < std::chrono::microseconds(linger_us_.load(std::memory_order_relaxed));)
+      cpu_relax();
     lock.lock();
   }
 }

@@ -3,11 +3,13 @@ own. Every value is regenerated from a seed on the checking rank (the reference 
 store). Prints one REPORT line: per case, the list of failures (empty when it passed), and timings."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 import superkernel  # noqa: F401  (registers "mk")
 from superkernel.memory import TensorStore
-from superkernel.memory.tensor_store import ALIGN, TensorStoreFull
+from superkernel.memory.tensor_store import ALIGN, LOCK, TensorStoreFull
 
 ALIGN = 4096
 KiB, MiB = 1 << 10, 1 << 20
@@ -144,7 +146,8 @@ def case_keys_delete_reuse(store: TensorStore, c: str = "keys_delete_reuse") -> 
         counting = _CountingStore(store._store)
         store._store = counting
         try:
-            store.put("a/2", torch.arange(3))   # re-put after delete: listed once
+            with store_route(worker=False):
+                store.put("a/2", torch.arange(3))   # re-put after delete: listed once
         finally:
             store._store = counting.inner
         # the first guess is the tombstone this process wrote: one record round trip, not two
@@ -171,6 +174,20 @@ class _CountingStore:
             self.calls[name] = self.calls.get(name, 0) + 1
             return attr(*args, **kwargs)
         return counted
+
+
+@contextlib.contextmanager
+def store_route(worker: bool):
+    """TensorStore's Store calls on the Store worker thread (worker=True: as while this process keeps making
+    them) or on the calling thread (False: as after a pause; a _CountingStore in store._store sees them)."""
+    import superkernel.memory.tensor_store as ts
+
+    before = ts._WARM_NS
+    ts._WARM_NS = 1 << 62 if worker else 0
+    try:
+        yield
+    finally:
+        ts._WARM_NS = before
 
 
 class _StoreWithoutListing:
@@ -510,23 +527,38 @@ def case_publishing(store: TensorStore) -> None:
     import superkernel.memory.tensor_store as ts
 
     c = "publishing"
-    real = ts._C
-    counted = _CountingStore(real)
+    real = store._put_publishing
+    overlapped = [0]
 
-    def handed() -> int:     # publications handed to the worker thread so far
-        return counted.calls.get("store_compare_set_async", 0)
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        overlapped[0] += 1
+        return real(*args, **kwargs)
 
-    ts._C = counted
+    store._put_publishing = counting
     try:
-        for n, want in ((MiB - 1, 0), (MiB, 1), (3 * MiB + 5, 1)):
-            before = handed()
-            key = f"p/size/{rank}/{n}"
-            store.put(key, gen(key, (n,), torch.uint8))
-            check(c, handed() - before == want, f"a new {n} B tensor took the overlapped path "
-                                                f"{handed() - before} times, expected {want}")
-            check(c, same(store.get(key), gen(key, (n,), torch.uint8)), f"{key} differs")
+        for worker in (True, False):
+            for n, want in ((MiB - 1, 0), (MiB, 1), (3 * MiB + 5, 1)):
+                want = want if worker else 0     # after a pause in Store calls: the calling thread, no overlap
+                before = overlapped[0]
+                key = f"p/size/{rank}/{n}/{worker}"
+                with store_route(worker):
+                    store.put(key, gen(key, (n,), torch.uint8))
+                check(c, overlapped[0] - before == want, f"a new {n} B tensor took the overlapped path "
+                      f"{overlapped[0] - before} times, expected {want} (worker route: {worker})")
+                check(c, same(store.get(key), gen(key, (n,), torch.uint8)), f"{key} differs")
+        # the route follows the clock: a Store call makes the next ones within _WARM_NS go to the worker
+        before = ts._WARM_NS
+        try:
+            ts._WARM_NS = 10 ** 9       # 1 s
+            store.exists("p/size/none")
+            check(c, ts._warm(), "no worker route right after a Store call")
+            ts._WARM_NS = 5 * 10 ** 6   # 5 ms
+            time.sleep(0.02)
+            check(c, not ts._warm(), "still the worker route 20 ms after the last Store call (5 ms window)")
+        finally:
+            ts._WARM_NS = before
     finally:
-        ts._C = real
+        del store._put_publishing
     dist.barrier()
     # storm: every rank replaces shared keys with new >= 1 MiB tensors (a size of its own: never in place)
     # and reads the others' keys meanwhile
@@ -543,7 +575,7 @@ def case_publishing(store: TensorStore) -> None:
             check(c, 0 <= owner < world and v.numel() == MiB + 4096 * (1 + owner) + (j + 1) % shared
                   and bool((v == owner + 1).all()), f"torn read of p/s/{(j + 1) % shared}: {v.numel()} B")
     dist.barrier()
-    used = sum(reserved(n) for n in (MiB - 1, MiB, 3 * MiB + 5)) * world
+    used = sum(reserved(n) for n in (MiB - 1, MiB, 3 * MiB + 5)) * world * 2
     for j in range(shared):
         used += reserved(store.get(f"p/s/{j}").numel())
     st = store.stats()
@@ -562,7 +594,8 @@ def case_publishing(store: TensorStore) -> None:
         try:
             for key in ("p/u", "p/u-new"):
                 try:
-                    store.put(key, gen("p/u2", (2 * MiB,), torch.uint8))
+                    with store_route(worker=True):   # the overlapped path
+                        store.put(key, gen("p/u2", (2 * MiB,), torch.uint8))
                     check(c, False, f"put({key!r}) with a failing copy succeeded")
                 except RuntimeError as e:
                     check(c, "injected" in str(e), f"put({key!r}) raised another error: {e}")
@@ -593,7 +626,8 @@ def case_publishing(store: TensorStore) -> None:
 
         store._data.put = published_then_fail
         try:
-            store.put("p/d", gen("p/d2", (2 * MiB,), torch.uint8))
+            with store_route(worker=True):   # the overlapped path
+                store.put("p/d", gen("p/d2", (2 * MiB,), torch.uint8))
             check(c, False, "put with a failing copy succeeded")
         except RuntimeError as e:
             check(c, "injected" in str(e), f"put raised another error: {e}")
@@ -623,27 +657,84 @@ def case_cold_get(store: TensorStore) -> None:
         store.put("g/empty", torch.empty(0, 3))
     dist.barrier()
     if rank != 0:
-        real = store._store
-        counted = _CountingStore(real)
+        import superkernel.memory.tensor_store as ts
 
-        def trips() -> int:  # Store round trips so far: get makes each with one compare_set
-            return counted.calls.get("compare_set", 0)
+        real_store, real_c = store._store, ts._C
+        for worker in (False, True):
+            # on this thread every round trip is one compare_set through store._store; on the worker thread,
+            # one store_compare_set_async
+            counted = _CountingStore(real_c if worker else real_store)
+            name = "store_compare_set_async" if worker else "compare_set"
 
-        store._store = counted
-        try:
-            for r in range(world):
-                near = store._data.transport(r) in ("self", "shm")
-                for want, what in ((1 if near else 2, "first"), (0, "second")):
+            def trips() -> int:
+                return counted.calls.get(name, 0)
+
+            route = "on the Store worker thread" if worker else "on the calling thread"
+            if worker:
+                ts._C = counted
+            else:
+                store._store = counted
+            try:
+                with store_route(worker):
+                    for r in range(world):
+                        store._known.pop(f"g/{r}", None)
+                        near = store._data.transport(r) in ("self", "shm")
+                        for want, what in ((1 if near else 2, "first"), (0, "second")):
+                            n0 = trips()
+                            got = store.get(f"g/{r}")
+                            check(c, trips() - n0 == want, f"{what} get of a key on rank {r} ({store._data.transport(r)}, "
+                                  f"{route}) took {trips() - n0} Store round trips, expected {want}")
+                            check(c, same(got, gen(f"g/{r}", (1000 + r,))), f"g/{r} differs")
                     n0 = trips()
-                    got = store.get(f"g/{r}")
-                    check(c, trips() - n0 == want, f"{what} get of a key on rank {r} "
-                          f"({store._data.transport(r)}) took {trips() - n0} Store round trips, expected {want}")
-                    check(c, same(got, gen(f"g/{r}", (1000 + r,))), f"g/{r} differs")
-            n0 = trips()
-            got = store.get("g/empty")
-            check(c, trips() - n0 == 1 and tuple(got.shape) == (0, 3), "get of an empty tensor")
-        finally:
-            store._store = real
+                    got = store.get("g/empty")
+                    check(c, trips() - n0 == 1 and tuple(got.shape) == (0, 3), f"get of an empty tensor {route}")
+            finally:
+                store._store, ts._C = real_store, real_c
+    dist.barrier()
+
+
+def case_lock_waits(store: TensorStore) -> None:
+    """The last rank holds rank 0's allocator lock (alive). Rank 0's put that needs it waits: until the store's
+    timeout, then a TimeoutError names the holder; an interrupt (cancel_waits, as the notebook worker sends)
+    ends the wait at once with CancelledError; once the holder lets go, the put goes through."""
+    from superkernel.backend import cancel_waits
+    from superkernel.memory import CancelledError
+
+    c = "lock_waits"
+    holder = world - 1
+    store.timeout = 1.5
+    if rank == holder:
+        check(c, store._meta.compare_swap(0, LOCK, 0, rank + 1) == 0, "rank 0's allocator lock was taken")
+    dist.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            store.put("waits", gen("waits", (1000,)), rank=0)
+            check(c, False, "a put succeeded while another rank held the lock")
+        except TimeoutError as e:
+            waited = time.monotonic() - t0
+            check(c, f"held by rank {holder}" in str(e) and "within 1.5 s" in str(e), f"timeout message: {e}")
+            check(c, 1.4 < waited < 10, f"the timeout of 1.5 s came after {waited:.2f} s")
+        store.timeout = 60
+        timer = threading.Timer(0.2, cancel_waits)
+        t0 = time.monotonic()
+        timer.start()
+        try:
+            store.put("waits", gen("waits", (1000,)), rank=0)
+            check(c, False, "a put succeeded while another rank held the lock")
+        except CancelledError as e:
+            waited = time.monotonic() - t0
+            check(c, "cancelled by an interrupt" in str(e), f"cancel message: {e}")
+            check(c, waited < 5, f"the interrupt took {waited:.2f} s to end the wait (timeout 60 s)")
+        timer.join()
+        check(c, store.stats()[0].objects == 0, "a failed put left an object behind")
+    dist.barrier()
+    if rank == holder:
+        check(c, store._meta.compare_swap(0, LOCK, rank + 1, 0) == rank + 1, "the lock changed hands meanwhile")
+    dist.barrier()
+    if rank == 0:
+        store.put("waits", gen("waits", (1000,)), rank=0)
+        check(c, same(store.get("waits"), gen("waits", (1000,))), "the put after the lock came free")
     dist.barrier()
 
 
@@ -660,7 +751,8 @@ def case_dead_holder() -> None:
         store.put("kept", kept, rank=0)
     dist.barrier()
     if rank == 1:
-        store._lock(0)        # taken, never released: this process dies holding it
+        # taken (as the allocator does), never released: this process dies holding it
+        assert store._meta.compare_swap(0, LOCK, 0, rank + 1) == 0
         dist.barrier()
         sys.stdout.flush()
         os._exit(0)
@@ -707,7 +799,8 @@ def case_dead_writer(mode: str) -> None:
 
         store._data.put = die
         shape = (MiB,) if mode == "inplace" else (2 * MiB,)
-        store.put("w", gen("w2", shape, torch.uint8), rank=0)
+        with store_route(worker=True):   # "publish": the record goes out during the copy
+            store.put("w", gen("w2", shape, torch.uint8), rank=0)
     dist.barrier()
     # as a process that has not read the key (rank 0 itself may still read the old value on its fast path in
     # mode "publish": the dead put never freed the old extent, so for rank 0 it never completed)
@@ -740,6 +833,7 @@ def run(name: str, fn, *args) -> None:  # noqa: ANN001
         fn(*args)
     except Exception:  # noqa: BLE001
         failures[name].append(f"rank {rank}: {traceback.format_exc()[-1500:]}")
+        sys.stderr.write(f"case {name} failed on rank {rank}:\n{traceback.format_exc()}")   # before any hang
     timings[name] = time.perf_counter() - t0
 
 
@@ -781,6 +875,7 @@ def main() -> None:
         ("in_place", case_in_place, 4 * MiB, ()),
         ("publishing", case_publishing, 16 * MiB, ()),
         ("cold_get", case_cold_get, 1 * MiB, ()),
+        ("lock_waits", case_lock_waits, 1 * MiB, ()),
     ]
     for name, fn, cap, extra in cases:
         store = TensorStore(capacity_per_rank=cap, timeout=60)

@@ -12,7 +12,7 @@ from tests.transport.world import HERE as TRANSPORT_DIR, run_world
 SUITE = str((TRANSPORT_DIR.parent / "memory" / "store_suite.py").resolve())
 WORLDS = [(2, "shm", 64 << 20), (3, "tcp", 16 << 20), (3, "shm", 16 << 20)]
 CASES = ["cross_rank", "concurrent", "keys_delete_reuse", "keys_log", "reuse", "full", "large", "dtypes", "errors", "subgroup",
-         "uneven", "in_place", "publishing", "cold_get"]
+         "uneven", "in_place", "publishing", "cold_get", "lock_waits"]
 _cache: dict[tuple[int, str], list] = {}
 
 

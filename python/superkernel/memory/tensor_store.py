@@ -17,7 +17,9 @@ Design (everything below is what the code does; the tests check it):
   allocates or frees in any rank's memory by taking that rank's lock with ``compare_swap`` on the lock
   word (spinning with back-off, bounded by ``timeout``), reading the header and extents with ``get``,
   writing the changed parts back with ``put`` (blocking window operations are complete at the target when
-  they return), then releasing the lock with ``compare_swap``.
+  they return), then releasing the lock with ``compare_swap``. This runs in C++ (``PoolAllocator``,
+  csrc/transport/pool_allocator.h), one call per allocation or free: as a dozen Python-level window
+  operations it cost about 20 us of a 1 MiB put on one host.
   Allocations are rounded up to ``ALIGN`` (4 KiB) and placed best-fit. Because free extents are coalesced
   and at least one aligned block long, a rank never has more than ``capacity / (2 * ALIGN) + 1`` of them:
   the extent table is sized for that worst case and cannot overflow.
@@ -49,14 +51,24 @@ Design (everything below is what the code does; the tests check it):
   under a writer. A writer that died never finishes: a get that waits on it raises ``PeerError`` naming it
   (checked every 50 ms, once the transport noticed the death), and a free ends its write and goes on, so
   the key can be put again or deleted.
-* Publishing during the copy. A put into a new extent of at least ``_OVERLAP_BYTES`` (1 MiB) sets the
-  extent's version odd, hands the record's first ``compare_set`` to superkernel's Store worker thread
-  (``csrc/store_worker.h``), copies the bytes meanwhile, sets the version even and then takes the Store's
-  answer, so the round trip hides behind the copy (``bench/memory.py``'s "serial" column is the put without
-  it). A get that finds the record before the bytes are there sees an odd version and waits, as for a put in
-  place. If the copy fails, the key gets back the record the put had replaced (the only case where a record
-  reappears; a process holding the failed put's record then finds its ``compare_set`` refused, as after any
-  replacement). Smaller tensors publish after their copy: waking the worker costs more than it hides.
+* Publishing during the copy. A put into a new extent of at least ``_OVERLAP_BYTES`` (1 MiB), made while
+  Store calls go to the worker thread (below), sets the extent's version odd, hands the record's first
+  ``compare_set`` to that thread, copies the bytes meanwhile, sets the version even and then takes the
+  Store's answer, so the round trip hides behind the copy (``bench/memory.py``'s "serial" column is the put
+  without it). A get that finds the record before the bytes are there sees an odd version and waits, as for
+  a put in place. If the copy fails, the key gets back the record the put had replaced (the only case where a
+  record reappears; a process holding the failed put's record then finds its ``compare_set`` refused, as
+  after any replacement). Smaller tensors publish after their copy: handing the call over costs more than it
+  hides.
+* Store calls. The record calls (``compare_set``) run on superkernel's Store worker thread
+  (``csrc/store_worker.h``; this thread polls for the answer) while this process made a Store call within the
+  last ``_WARM_NS`` (250 us, the time the worker keeps polling for its next call after one); after a pause they
+  run on the calling thread. On a VM, waking a thread that sleeps on an idle core costs tens of microseconds
+  and a sleeping Store client pays it at every answer, while a polling worker and a polling caller keep both
+  cores awake: measured on this 2-core VM with 1 MiB tensors on the same host, a run of new-key puts or of
+  cold gets took 41 and 58 us each on the worker against 135 and 136 us on the calling thread, but calls
+  2 ms apart took 511 and 500 us on the worker (which had gone to sleep) against 197 and 187 us on the
+  calling thread. ``bench/memory.py``'s "caller" columns are the runs with every call on the calling thread.
 * Overwrite in place. When this process overwrites a key whose record it knows with a tensor of the same
   dtype and shape (and no other ``rank=``), the record stays as it is: the put takes the extent's version
   from v to v+1 with ``compare_swap`` (v is the version this process last saw: any free or other write
@@ -114,13 +126,17 @@ from superkernel.memory.window import PeerError
 ALIGN = 4096
 DEFAULT_CAPACITY = 256 << 20
 # allocator window layout (int64 elements)
+# (csrc/transport/pool_allocator.h reads and writes this layout too)
 LOCK, USED, OBJECTS, NFREE, CAPACITY, FREES = 0, 1, 2, 3, 4, 5
 HEADER = 8        # then 2 * max_extents extent words, then one version word per ALIGN block
-_GUESS = 32        # extents read together with the header (more cost a second get)
 _HOLDER_PROBE = 0.05   # seconds between checks that the holder of a lock we wait for is alive
 # A new tensor of at least this many bytes is copied while its record is published (the round trip hides
 # behind the copy); a smaller one is published after its copy (waking the worker would cost more than it hides)
 _OVERLAP_BYTES = 1 << 20
+# Store calls go to the Store worker thread while this process made one within this many ns (the worker's
+# linger, csrc/store_worker.h: it still polls, and the machine is awake); see "Store calls" in the docstring
+_WARM_NS = 250_000
+_last_store_call_ns = 0
 # an odd version word carries its writer's rank + 1 from this bit up (the version itself stays below it)
 _WRITER = 48
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
@@ -190,11 +206,6 @@ def _writing(v: int, rank: int) -> int:
 def _writer(v: int) -> int:
     """The rank that wrote an odd version word (see _writing)."""
     return (v >> _WRITER) - 1
-
-
-def _after(v: int) -> int:
-    """The even version that follows the write announced by the odd word v."""
-    return (v & ((1 << _WRITER) - 1)) + 1
 
 
 def _round_up(n: int) -> int:
@@ -293,15 +304,13 @@ class TensorStore:
             text = rec.encode()
             old = self._publish(key, text)
         else:
-            where, offset = self._allocate(_round_up(nbytes), rank)
+            # nobody else knows the new extent before the record is published: its version is at rest, and
+            # the counter read under the lock (before the record becomes current) is valid for get's fast path
+            where, offset, version, frees = self._allocate(_round_up(nbytes), rank)
             rec = Record(where, offset, nbytes, t.dtype, tuple(t.shape), token)
             text = rec.encode()
-            # nobody else knows the new extent before the record is published: its version is at rest, and
-            # the counter read now (before the record becomes current) is valid for get's fast path
-            version = self._version(where, offset)
-            frees = self._frees(where)
             flat = t.reshape(-1).view(torch.uint8)
-            if nbytes >= _OVERLAP_BYTES:
+            if nbytes >= _OVERLAP_BYTES and self._on_worker():
                 old = self._put_publishing(key, text, rec, version, flat)
                 version += 2
             else:
@@ -439,8 +448,7 @@ class TensorStore:
         self._check_open()
         out = []
         for r in range(self.world_size):
-            hdr, ext = self._state(r)
-            out.append(RankUsage(r, hdr[CAPACITY], hdr[USED], hdr[OBJECTS], hdr[NFREE], max(ext[1::2], default=0)))
+            out.append(RankUsage(r, *self._meta._impl.pool_usage(r, self._versions, ALIGN)))
         return out
 
     def free(self) -> None:
@@ -486,7 +494,22 @@ class TensorStore:
     # ----------------------------------------------------------------------------------------- records
     def _read(self, key: str) -> str:
         """The record of ``key``; "" when it does not exist (never stored, or deleted)."""
-        return _live(self._store.compare_set("k/" + key, _MISSING, _MISSING).decode())
+        return _live(self._compare_set(key, _MISSING, _MISSING))
+
+    def _on_worker(self) -> bool:
+        """Whether the next Store call goes to the Store worker thread: this process made one within the last
+        ``_WARM_NS`` (see "Store calls" in the module docstring), and the Store is a c10d one (not a Python
+        object standing in for it)."""
+        return _warm() and isinstance(self._store, dist.Store)
+
+    def _compare_set(self, key: str, expected: str, desired: str) -> str:
+        """``compare_set`` of ``key``'s record, on the Store worker thread or on this one (_on_worker)."""
+        if self._on_worker():
+            got = self._answer(_C.store_compare_set_async(self._store, "k/" + key, expected, desired), key)
+        else:
+            got = self._store.compare_set("k/" + key, expected, desired).decode()
+        _store_called()
+        return got
 
     def _remember(self, key: str, text: str, rec: Record, frees: int | None, version: int | None) -> None:
         if len(self._known) > 100_000:
@@ -532,7 +555,7 @@ class TensorStore:
             expected = self._first_guess(key)
         for _ in range(10000):
             if got is None:
-                got = self._store.compare_set("k/" + key, expected, value).decode()
+                got = self._compare_set(key, expected, value)
             if got == value:
                 return _live(expected)
             # (FileStore and HashStore report a missing key as the expected value)
@@ -566,7 +589,9 @@ class TensorStore:
     def _answer(self, call: Any, key: str) -> str:
         """The Store's answer to a compare_set made on the worker thread; its error names this rank and key."""
         try:
-            return call.wait(self._store_wait).decode()
+            got = call.wait(self._store_wait).decode()
+            _store_called()
+            return got
         except RuntimeError as e:
             raise RuntimeError(f"TensorStore: rank {self.rank} publishing the record of {key!r}: {e}") from e
 
@@ -603,58 +628,6 @@ class TensorStore:
             raise RuntimeError(f"TensorStore {self.name!r} was freed")
 
     # --------------------------------------------------------------------------------------- allocator
-    def _header(self, rank: int) -> torch.Tensor:
-        hdr = torch.empty(HEADER, dtype=torch.int64)
-        self._meta.get(rank, 0, hdr)
-        return hdr
-
-    def _state(self, rank: int) -> tuple[list[int], list[int]]:
-        """(header, extents) of ``rank``'s allocator: one get for the header and up to ``_GUESS`` extents,
-        a second one only when there are more."""
-        n = min(self._meta_len, HEADER + 2 * _GUESS)
-        buf = torch.empty(n, dtype=torch.int64)
-        self._meta.get(rank, 0, buf)
-        vals = buf.tolist()
-        hdr, nfree = vals[:HEADER], vals[NFREE]
-        if HEADER + 2 * nfree <= n:
-            return hdr, vals[HEADER:HEADER + 2 * nfree]
-        return hdr, vals[HEADER:] + self._extents_from(rank, (n - HEADER) // 2, nfree)
-
-    def _extents_from(self, rank: int, first: int, n: int) -> list[int]:
-        ext = torch.empty(2 * (n - first), dtype=torch.int64)
-        self._meta.get(rank, HEADER + 2 * first, ext)
-        return ext.tolist()
-
-    def _lock(self, rank: int) -> None:
-        me = self.rank + 1
-        now = time.monotonic()
-        deadline, probe = now + self.timeout, now + _HOLDER_PROBE
-        pause = 0.0
-        while True:
-            holder = int(self._meta.compare_swap(rank, LOCK, 0, me))
-            if holder == 0:
-                return
-            now = time.monotonic()
-            if now > probe:     # held for a while: is the holder still there?
-                self._check_holder(rank, holder - 1)
-                probe = now + _HOLDER_PROBE
-            if now > deadline:
-                raise TimeoutError(f"TensorStore: rank {self.rank} could not take rank {rank}'s allocator lock "
-                                   f"within {self.timeout:g} s (held by rank {holder - 1})")
-            if pause:
-                time.sleep(pause)
-            pause = min(1e-3, pause * 2 if pause else 20e-6)
-
-    def _check_holder(self, rank: int, holder: int) -> None:
-        """Raise PeerError when ``holder`` (holding ``rank``'s allocator lock) has died: a one-sided read of its
-        allocator window fails once the transport noticed (shm: its process is gone; tcp: its connection)."""
-        e = self._gone_error(holder)
-        if e is not None:
-            raise PeerError(f"TensorStore: rank {self.rank} cannot allocate or free in rank {rank}'s memory: its "
-                            f"allocator lock is held by rank {holder}, which is gone ({e}). The lock stays taken "
-                            f"(the allocator may be half-updated): nothing can be placed in or freed from rank {rank}'s "
-                            f"memory any more in this job; stored tensors stay readable") from e
-
     def _gone_error(self, rank: int) -> PeerError | None:
         """The PeerError of a one-sided read of ``rank``'s allocator window once the transport noticed that rank
         died (shm: its process is gone; tcp: its connection), else None (alive, this process, or not a rank)."""
@@ -666,88 +639,24 @@ class TensorStore:
             return e
         return None
 
-    def _unlock(self, rank: int) -> None:
-        prev = int(self._meta.compare_swap(rank, LOCK, self.rank + 1, 0))
-        if prev != self.rank + 1:
-            raise RuntimeError(f"TensorStore: rank {self.rank} released rank {rank}'s allocator lock but it was "
-                               f"held by {prev - 1 if prev else 'nobody'}")
-
-    def _write_state(self, rank: int, hdr: list[int], used: int, objects: int, ext: list[int],
-                     freed: bool) -> None:
-        """Write back the header (used, objects, extent count, capacity, frees) and the extents (locked):
-        one put from the header's second slot to the last extent."""
-        frees = hdr[FREES] + (1 if freed else 0)
-        vals = [used, objects, len(ext) // 2, hdr[CAPACITY], frees] + hdr[FREES + 1:HEADER] + ext
-        self._meta.put(rank, USED, torch.tensor(vals, dtype=torch.int64))
-
     def _version(self, rank: int, offset: int) -> int:
         """The version word of the extent starting at byte ``offset`` of ``rank`` (odd: a put in place)."""
         self._meta.get(rank, self._versions + offset // ALIGN, self._scratch)
         return self._scratch.item()
-
-    def _retire(self, rank: int, offset: int) -> None:
-        """(Under ``rank``'s allocator lock) advance the version of the extent at ``offset`` by 2, waiting
-        for a put that is writing into it to finish: a put in place can no longer start on it. A writer that
-        died (its rank is in the odd version word) never finishes: its write is ended here."""
-        word = self._versions + offset // ALIGN
-        deadline = time.monotonic() + self.timeout
-        probe = time.monotonic() + _HOLDER_PROBE
-        while True:
-            v = self._version(rank, offset)
-            if v % 2 == 0 and int(self._meta.compare_swap(rank, word, v, v + 2)) == v:
-                return
-            if v % 2 and time.monotonic() > probe:
-                if self._gone_error(_writer(v)) is not None:    # it will never finish: end its write for it
-                    self._meta.compare_swap(rank, word, v, _after(v))
-                    continue
-                probe = time.monotonic() + _HOLDER_PROBE
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"TensorStore: rank {self.rank} frees rank {rank}'s extent at byte {offset}, but a "
-                                   f"put writing into it in place did not finish within {self.timeout:g} s")
-            time.sleep(20e-6)
 
     def _frees(self, rank: int) -> int:
         """How many frees ``rank``'s allocator has done (a seqlock-style generation for get's fast path)."""
         self._meta.get(rank, FREES, self._scratch)
         return self._scratch.item()
 
-    def _allocate(self, need: int, only: int | None = None) -> tuple[int, int]:
-        """(rank, offset) of ``need`` free bytes, placed by free capacity (see the module docstring), or on
-        rank ``only`` when given."""
-        candidates = range(self.world_size) if only is None else [only]
-        heads = {r: self._header(r).tolist() for r in candidates} if only is None else {}
-        free = ({r: h[CAPACITY] - h[USED] for r, h in heads.items()} if only is None
-                else {only: self.capacities[only]})   # pinned: go straight to the lock
-        order = sorted(candidates, key=lambda r: (-free[r], r != self.rank, r))
-        largest = 0
-        for r in order:
-            if free[r] < need:
-                continue
-            self._lock(r)
-            try:
-                hdr, ext = self._state(r)
-                best = -1
-                for i in range(0, len(ext), 2):
-                    length = ext[i + 1]
-                    largest = max(largest, length)
-                    if length >= need and (best < 0 or length < ext[best + 1]):
-                        best = i
-                if best < 0:
-                    continue
-                offset = ext[best]
-                if ext[best + 1] == need:
-                    del ext[best:best + 2]
-                else:
-                    ext[best] += need
-                    ext[best + 1] -= need
-                self._write_state(r, hdr, hdr[USED] + need, hdr[OBJECTS] + 1, ext, freed=False)
-                return r, offset
-            finally:
-                self._unlock(r)
-        for r in order:
-            if free[r] >= need:
-                continue
-            largest = max(largest, max(self._state(r)[1][1::2], default=0))
+    def _allocate(self, need: int, only: int | None = None) -> tuple[int, int, int, int]:
+        """(rank, offset, version, frees) of ``need`` free bytes, placed by free capacity (see the module
+        docstring), or on rank ``only`` when given: the extent's version word, and the rank's free counter read
+        under its lock. Runs in C++ (csrc/transport/pool_allocator.h) on the allocator windows."""
+        where, offset, version, frees, largest = self._meta._impl.pool_allocate(
+            need, -1 if only is None else only, self._versions, ALIGN, self.timeout)
+        if where >= 0:
+            return where, offset, version, frees
         caps = set(self.capacities)
         pool = (f"{self.world_size} ranks × {format_bytes(self.capacities[0])} capacity" if len(caps) == 1
                 else f"{self.world_size} ranks, {format_bytes(sum(self.capacities))} capacity in total")
@@ -757,33 +666,20 @@ class TensorStore:
                               f"cannot place {format_bytes(need)}")
 
     def _free(self, rank: int, offset: int, length: int, objects: int) -> int:
-        """Return [offset, offset+length) to ``rank``'s free extents, coalescing with its neighbours.
-        Returns ``rank``'s free counter as it was before this free."""
-        self._lock(rank)
-        try:
-            self._retire(rank, offset)
-            hdr, ext = self._state(rank)
-            starts = ext[0::2]
-            i = 0
-            while i < len(starts) and starts[i] < offset:
-                i += 1
-            new = [offset, length]
-            # merge with the previous extent
-            if i > 0 and ext[2 * (i - 1)] + ext[2 * (i - 1) + 1] == offset:
-                i -= 1
-                new = [ext[2 * i], ext[2 * i + 1] + length]
-                del ext[2 * i:2 * i + 2]
-            # merge with the next extent
-            if 2 * i < len(ext) and new[0] + new[1] == ext[2 * i]:
-                new[1] += ext[2 * i + 1]
-                del ext[2 * i:2 * i + 2]
-            ext[2 * i:2 * i] = new
-            if len(ext) // 2 > self._max_extents:
-                raise RuntimeError(f"TensorStore: rank {rank}'s free-extent table overflowed (a bug)")
-            self._write_state(rank, hdr, hdr[USED] - length, hdr[OBJECTS] - objects, ext, freed=True)
-            return hdr[FREES]
-        finally:
-            self._unlock(rank)
+        """Return [offset, offset+length) to ``rank``'s free extents, coalescing with its neighbours, once a put
+        writing into it finished (or its writer is gone). Returns ``rank``'s free counter as it was before this
+        free. C++ (csrc/transport/pool_allocator.h)."""
+        return self._meta._impl.pool_release(rank, offset, length, objects, self._versions, ALIGN, self.timeout)
+
+
+def _warm() -> bool:
+    """Whether this process made a Store call within the last ``_WARM_NS``."""
+    return time.monotonic_ns() - _last_store_call_ns < _WARM_NS
+
+
+def _store_called() -> None:
+    global _last_store_call_ns
+    _last_store_call_ns = time.monotonic_ns()
 
 
 def _live(text: str) -> str:
