@@ -11,7 +11,8 @@ dtypes):
     is ``moe_combine`` with all weights 1 (the fused op: on mk, point-to-point straight from the rows);
   - grad w_e = X_e^T @ dy_e, where X_e are the token rows that reached expert e. They are routed to the
     experts again (one all-to-all with the dispatch's counts) instead of being kept from the forward: one
-    more exchange in backward for n_recv x h less memory between forward and backward.
+    more exchange in backward for n_recv x h less memory between forward and backward. That all-to-all is
+    started first and runs while grad x is computed and sent home.
 
 * ``moe_combine``: out_t = sum_j g_(t,j) * y_(t,j) with g = topk_weights. Both gradients are formed where
   y is: dout_t travels to the expert of each of its k rows (one all-to-all of [t*k, f] rows), the weights
@@ -29,7 +30,7 @@ as in any distributed autograd.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -84,8 +85,17 @@ class Routing:
     def to_experts(self, rows: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         """[t*k, f] rows in (token, choice) order on the token's rank -> [n_recv, f] in y's order.
         ``per_token``: ``rows`` is [t, f], one row for all k choices of a token (x itself)."""
-        outbox = rows.index_select(0, self.perm // self.k if per_token else self.perm)
-        return self._exchange(outbox, self.back, self.home).index_select(0, self.rx_of_y)
+        return self.start_to_experts(rows, per_token)()
+
+    def start_to_experts(self, rows: torch.Tensor, per_token: bool = False) -> Callable[[], torch.Tensor]:
+        """``to_experts`` with the exchange started now (an asynchronous all-to-all, issued in the same order
+        on every rank as any collective): calling the result waits for it and returns the rows."""
+        outbox = rows.index_select(0, self.perm // self.k if per_token else self.perm).contiguous()
+        arriving = _fc.all_to_all_single(outbox, self.back, self.home, self.group_name)
+
+        def arrived(outbox: torch.Tensor = outbox) -> torch.Tensor:   # (outbox lives until the exchange is done)
+            return _fc.wait_tensor(arriving).index_select(0, self.rx_of_y)
+        return arrived
 
     def to_home(self, y: torch.Tensor) -> torch.Tensor:
         """[n_recv, f] rows in y's order -> [t*k, f] in (token, choice) order on the token's rank."""
@@ -114,6 +124,8 @@ def dispatch_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, c
     per_expert = counts.tolist()
     blocks = dy.float().split(per_expert)
     grad_x, grad_w = x.new_empty(_NOTHING), w.new_empty(_NOTHING)
+    # x's rows travel to the experts again for grad w while grad x is computed and sent home
+    arrived = rt.start_to_experts(x, per_token=True) if need_w else None
     if need_x:
         # each expert's block straight into its rows of one buffer (no per-block products to concatenate:
         # large temporaries are fresh pages, see bench/README.md's malloc item)
@@ -125,9 +137,9 @@ def dispatch_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, c
         rows = rows.to(x.dtype)
         ones = torch.ones((rt.t, rt.k), dtype=x.dtype, device=x.device)
         grad_x = call(torch.ops.mk.moe_combine.default, rows, handle, ones, group_name)
-    if need_w:
-        arrived = rt.to_experts(x, per_token=True).float().split(per_expert)
-        grad_w = torch.stack([xe.t() @ blk for xe, blk in zip(arrived, blocks)]).to(w.dtype)
+    if arrived is not None:
+        rows_in = arrived().float().split(per_expert)
+        grad_w = torch.stack([xe.t() @ blk for xe, blk in zip(rows_in, blocks)]).to(w.dtype)
     return grad_x, grad_w
 
 
