@@ -175,6 +175,11 @@ void PoolAllocator::retire(int rank, int64_t offset) {
 
 PoolAllocator::Placement PoolAllocator::allocate(int64_t need, int only) {
   const int world = meta_.world();
+  if (need <= 0 || need % align_ != 0)
+    throw ArgumentError(cat("TensorStore allocator: rank ", me_, ": cannot reserve ", need, " bytes (a positive "
+                            "multiple of ", align_, ")"));
+  if (only >= world)
+    throw RangeError(cat("TensorStore allocator: rank ", me_, ": rank ", only, " is not in the group (size ", world, ")"));
   std::vector<int> order;
   std::vector<int64_t> free(size_t(world), 0);
   if (only >= 0) {

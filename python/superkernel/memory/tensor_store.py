@@ -590,10 +590,10 @@ class TensorStore:
         """The Store's answer to a compare_set made on the worker thread; its error names this rank and key."""
         try:
             got = call.wait(self._store_wait).decode()
-            _store_called()
-            return got
         except RuntimeError as e:
-            raise RuntimeError(f"TensorStore: rank {self.rank} publishing the record of {key!r}: {e}") from e
+            raise RuntimeError(f"TensorStore: rank {self.rank}, Store call for the record of {key!r}: {e}") from e
+        _store_called()
+        return got
 
     def _unpublish(self, key: str, text: str, expected: str, call: Any, rec: Record) -> None:
         """(A put whose copy failed) Undo the publication of ``text`` if it happened and free our extent; if a
