@@ -9,7 +9,8 @@ against a Redis server, on the same ranks and host, in one run.
 Part 1, one-sided (OSU's osu_put_latency / osu_get_latency / osu_put_bw / osu_get_bw method with a passive
 target): rank 0 writes into / reads from rank 1's window; the other ranks only wait. Latency = one operation
 followed by a flush, averaged; bandwidth = bursts of ``--burst`` operations followed by one flush, bytes per
-second. mk: ``superkernel.memory.Window`` (uint8, over the default mk group). MPI: ``MPI.Win.Allocate`` of
+second. Both windows exist at once, and for every size and test mk and MPI are timed alternately in
+``--rounds`` rounds (the one going first changes each round), each row keeping its median round. mk: ``superkernel.memory.Window`` (uint8, over the default mk group). MPI: ``MPI.Win.Allocate`` of
 the same size on the same ranks, ``Lock_all`` once (passive target), ``Put``/``Get`` then ``Flush(1)``.
 Both read from / write into the same origin memory (numpy arrays; mk gets ``torch.from_numpy`` views of
 them), and the per-size buffer slices (and MPI's ``[buf, MPI.BYTE]`` specs) are made before the timed loop,
@@ -109,35 +110,49 @@ def origin_buffers(n: int) -> tuple[Any, Any]:
     return np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
 
 
-def measure_one_sided(name: str, ops: dict[str, Callable[[int], Callable[[], None]]], sizes: list[int],
-                      burst: int, seconds: float, check: Callable[[int], str]) -> list[dict[str, Any]]:
-    rows = []
+def measure_one_sided(impls: dict[str, tuple[dict[str, Callable[[int], Callable[[], None]]], Callable[[int], str]]],
+                      sizes: list[int], burst: int, seconds: float, rounds: int) -> list[dict[str, Any]]:
+    """Every test at every size for every implementation (name -> (ops, check)), the implementations
+    alternating: ``rounds`` rounds of one timing each, the first implementation changing from round to round,
+    so drifting load hits them alike; each row keeps the median over its rounds."""
+    names = list(impls)
+    rows = {name: [] for name in names}
     for size in sizes:
-        row: dict[str, Any] = {"impl": name, "bytes": size, "check": check(size)}
+        row = {name: {"impl": name, "bytes": size, "check": impls[name][1](size)} for name in names}
         for test in ONE_SIDED_TESTS:
-            per_call, iters = _timed(ops[test](size), seconds, 3, 20000)
-            per_op = per_call / (burst if test.endswith("_bw") else 1)
-            row[test + "_us"] = per_op * 1e6
-            row[test.split("_")[0] + ("_lat_GBps" if test.endswith("lat") else "_bw_GBps")] = size / per_op / 1e9
-            row[test + "_iters"] = iters
-        rows.append(row)
-    return rows
+            made = {name: impls[name][0][test](size) for name in names}
+            times: dict[str, list[float]] = {name: [] for name in names}
+            iters: dict[str, int] = {name: 0 for name in names}
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    per_call, n = _timed(made[name], seconds / rounds, 3, 20000)
+                    times[name].append(per_call)
+                    iters[name] += n
+            for name in names:
+                per_op = statistics.median(times[name]) / (burst if test.endswith("_bw") else 1)
+                row[name][test + "_us"] = per_op * 1e6
+                row[name][test.split("_")[0] + ("_lat_GBps" if test.endswith("lat") else "_bw_GBps")] = size / per_op / 1e9
+                row[name][test + "_iters"] = iters[name]
+        for name in names:
+            rows[name].append(row[name])
+    return [r for name in names for r in rows[name]]
 
 
-def mk_window_side(sizes: list[int], args: argparse.Namespace, rank: int,
-                   buffers: tuple[Any, Any]) -> tuple[list[dict[str, Any]], str]:
+@contextlib.contextmanager
+def mk_window_ops(sizes: list[int], args: argparse.Namespace, rank: int, buffers: tuple[Any, Any]) -> Iterator[Any]:
+    """(ops, check) of superkernel's Window on rank 0 (None on the others); the window lives until the end."""
     import functools
 
     import torch
     import torch.distributed as dist
 
-    try:
-        from superkernel.memory import Window
-    except Exception as e:  # noqa: BLE001
-        return [], f"superkernel.memory.Window unavailable: {type(e).__name__}: {e}"
+    from superkernel.memory import Window
+
     win = Window.allocate((max(sizes),), torch.uint8)
-    rows: list[dict[str, Any]] = []
-    if rank == 0:
+    try:
+        if rank != 0:
+            yield None
+            return
         src, dst = (torch.from_numpy(b) for b in buffers)
 
         def check(size: int) -> str:
@@ -148,26 +163,28 @@ def mk_window_side(sizes: list[int], args: argparse.Namespace, rank: int,
             win.flush(1)
             return "ok" if torch.equal(dst[:size], src[:size]) else "put/get round trip differs"
 
-        ops = one_sided_ops(lambda s: functools.partial(win.put, 1, 0, src[:s]),
-                            lambda s: functools.partial(win.get, 1, 0, dst[:s]),
-                            functools.partial(win.flush, 1), args.burst)
-        rows = measure_one_sided("mk", ops, sizes, args.burst, args.time, check)
-    dist.barrier()
-    win.free()
-    return rows, ""
+        yield (one_sided_ops(lambda s: functools.partial(win.put, 1, 0, src[:s]),
+                             lambda s: functools.partial(win.get, 1, 0, dst[:s]),
+                             functools.partial(win.flush, 1), args.burst), check)
+    finally:
+        dist.barrier()
+        win.free()
 
 
-def mpi_window_side(sizes: list[int], args: argparse.Namespace, comm: Any,
-                    buffers: tuple[Any, Any]) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def mpi_window_ops(sizes: list[int], args: argparse.Namespace, comm: Any, buffers: tuple[Any, Any]) -> Iterator[Any]:
+    """(ops, check) of an Open MPI window (MPI.Win.Allocate, passive target) on rank 0 (None on the others)."""
     import functools
 
     import numpy as np
     from mpi4py import MPI
 
     win = MPI.Win.Allocate(max(sizes), 1, comm=comm)
-    rows: list[dict[str, Any]] = []
     win.Lock_all()
-    if comm.Get_rank() == 0:
+    try:
+        if comm.Get_rank() != 0:
+            yield None
+            return
         src, dst = buffers
 
         def check(size: int) -> str:
@@ -178,14 +195,13 @@ def mpi_window_side(sizes: list[int], args: argparse.Namespace, comm: Any,
             win.Flush(1)
             return "ok" if np.array_equal(dst[:size], src[:size]) else "put/get round trip differs"
 
-        ops = one_sided_ops(lambda s: functools.partial(win.Put, [src[:s], MPI.BYTE], 1),
-                            lambda s: functools.partial(win.Get, [dst[:s], MPI.BYTE], 1),
-                            functools.partial(win.Flush, 1), args.burst)
-        rows = measure_one_sided("mpi", ops, sizes, args.burst, args.time, check)
-    win.Unlock_all()
-    comm.Barrier()
-    win.Free()
-    return rows
+        yield (one_sided_ops(lambda s: functools.partial(win.Put, [src[:s], MPI.BYTE], 1),
+                             lambda s: functools.partial(win.Get, [dst[:s], MPI.BYTE], 1),
+                             functools.partial(win.Flush, 1), args.burst), check)
+    finally:
+        win.Unlock_all()
+        comm.Barrier()
+        win.Free()
 
 
 # --------------------------------------------------------------------------------------------- store
@@ -550,7 +566,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--store-sizes", default="1M,4M,16M,64M,256M", help="tensor store sizes")
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing")
     p.add_argument("--burst", type=int, default=16, help="operations per flush in the bandwidth tests")
-    p.add_argument("--time", type=float, default=0.1, help="seconds of timed calls per one-sided point")
+    p.add_argument("--time", type=float, default=0.3, help="seconds of timed calls per one-sided point and implementation")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="one-sided: rounds per point, mk and MPI alternating (the median is kept)")
     p.add_argument("--store-iters", type=int, default=200, help="max repetitions per store size")
     p.add_argument("--store-bytes", type=float, default=2e9, help="bytes moved per store size and op, at most")
     p.add_argument("--store-server", choices=["process", "rank0"], default="process",
@@ -605,18 +623,24 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench/memory.py needs at least 2 ranks")
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     buffers = origin_buffers(max(sizes)) if rank == 0 else (None, None)  # one origin memory for mk and MPI
-    if "mk" not in skip:
-        rows, why = mk_window_side(sizes, args, rank, buffers)
-        doc["one_sided"] += rows
-        doc["meta"]["mk_window_reason"] = why
-    if "mpi" not in skip:
-        if launch.mpi_comm is None:
-            doc["meta"]["mpi"] = "not launched by mpirun"
-        else:
-            from mpi4py import MPI
+    with contextlib.ExitStack() as stack:
+        impls: dict[str, Any] = {}
+        if "mk" not in skip:
+            try:
+                impls["mk"] = stack.enter_context(mk_window_ops(sizes, args, rank, buffers))
+                doc["meta"]["mk_window_reason"] = ""
+            except ImportError as e:
+                doc["meta"]["mk_window_reason"] = f"superkernel.memory.Window unavailable: {e}"
+        if "mpi" not in skip:
+            if launch.mpi_comm is None:
+                doc["meta"]["mpi"] = "not launched by mpirun"
+            else:
+                from mpi4py import MPI
 
-            doc["meta"]["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
-            doc["one_sided"] += mpi_window_side(sizes, args, launch.mpi_comm, buffers)
+                doc["meta"]["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+                impls["mpi"] = stack.enter_context(mpi_window_ops(sizes, args, launch.mpi_comm, buffers))
+        if rank == 0 and impls:
+            doc["one_sided"] = measure_one_sided(impls, sizes, args.burst, args.time, args.rounds)
     if "store" not in skip:
         rows, why = store_side(sorted(parse_size(s) for s in args.store_sizes.split(",")), args, rank, n)
         doc["store"] = rows
