@@ -1,10 +1,11 @@
 """How windows copy to and from mapped memory (``mk::copy_bytes``) against one plain memcpy, in one run.
 
-A same-host window put or get is one copy between the origin's buffer and the target's mapped block. glibc's
-memcpy turns a large block into one ``rep movsb``; on the AMD EPYC VM this project is developed on that runs
-at 60-70% of the speed of the same bytes copied in 64 KiB pieces, and beyond the last-level cache
-non-temporal stores win. ``copy_bytes`` picks memcpy, pieces or streaming stores by size; this benchmark
-shows what each choice gains, size by size, with both methods measured alternately on the same buffers.
+A same-host window put or get is one copy between the origin's buffer and the target's mapped block.
+``copy_bytes`` copies up to half the last-level cache with one memcpy and streams larger blocks with
+non-temporal stores (64 KiB memcpy pieces where the CPU has no AVX2, or with streaming turned off: glibc turns
+one large memcpy into a single ``rep movsb``, which on the AMD EPYC VM this project is developed on ran at
+60-70% of the speed of pieces beyond the cache). This benchmark shows what each choice gains, size by size,
+with both methods measured alternately on the same buffers.
 
     python bench/window_copy.py                       # 256 KiB .. 256 MiB
     python bench/window_copy.py --sizes 16M,64M --seconds 0.5

@@ -15,7 +15,6 @@
 namespace mk {
 namespace {
 
-constexpr size_t kSmall = size_t(1) << 20;
 constexpr size_t kPiece = size_t(64) << 10;
 
 // The size of one last-level cache instance: sysfs first (what the kernel was told about this core's cache),
@@ -38,14 +37,22 @@ size_t last_level_cache_bytes() {
   return l3 > 0 ? size_t(l3) : 0;
 }
 
+// Half the last-level cache: up to here a copy's source and destination can both stay in the cache.
+size_t cache_half() {
+  static const size_t half = [] {
+    const size_t l3 = last_level_cache_bytes();
+    return l3 ? l3 / 2 : size_t(16) << 20;
+  }();
+  return half;
+}
+
 size_t stream_threshold() {
   static const size_t threshold = [] {
     if (const char* v = std::getenv("SUPERKERNEL_STREAM_COPY_BYTES"); v && *v) {
       const long long n = std::atoll(v);
       return n <= 0 ? SIZE_MAX : size_t(n);
     }
-    const size_t l3 = last_level_cache_bytes();
-    return l3 ? l3 / 2 : size_t(16) << 20;
+    return cache_half();
   }();
   return threshold;
 }
@@ -90,23 +97,23 @@ bool streams(size_t n) {
 }  // namespace
 
 const char* copy_method(size_t n) {
-  if (n < kSmall) return "memcpy";
-  return streams(n) ? "stream" : "pieces";
+  if (streams(n)) return "stream";
+  return n <= cache_half() ? "memcpy" : "pieces";
 }
 
 void copy_bytes(void* dst, const void* src, size_t n) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
-  if (n < kSmall) {
-    if (n) std::memcpy(d, s, n);
-    return;
-  }
 #if defined(__x86_64__)
   if (streams(n)) {
     stream_copy(d, s, n);
     return;
   }
 #endif
+  if (n <= cache_half()) {
+    if (n) std::memcpy(d, s, n);
+    return;
+  }
   for (size_t i = 0; i < n; i += kPiece) std::memcpy(d + i, s + i, n - i < kPiece ? n - i : kPiece);
 }
 
