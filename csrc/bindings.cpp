@@ -72,6 +72,12 @@ mk::Deadline window_deadline(const mk::Window& w, std::optional<double> timeout)
   return mk::Deadline::after(std::chrono::milliseconds(int64_t(*timeout * 1000.0)));
 }
 
+mk::CopyUse copy_use(const std::string& use) {
+  if (use == "window") return mk::CopyUse::window;
+  if (use == "collective") return mk::CopyUse::collective;
+  throw py::value_error("copy_bytes: use must be 'window' or 'collective', got '" + use + "'");
+}
+
 std::chrono::milliseconds pool_timeout(double seconds) {
   if (!(seconds >= 0)) throw py::value_error("superkernel TensorStore: timeout must be >= 0 seconds");
   return std::chrono::milliseconds(int64_t(std::min(seconds, 1e9) * 1000.0));
@@ -461,17 +467,19 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "copy_bytes",
-      [](const at::Tensor& dst, const at::Tensor& src) {
+      [](const at::Tensor& dst, const at::Tensor& src, const std::string& use) {
         TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() && src.is_contiguous(),
                     "mk copy_bytes: dst and src must be contiguous CPU tensors");
         const size_t n = size_t(src.numel()) * src.element_size();
         TORCH_CHECK(size_t(dst.numel()) * dst.element_size() == n, "mk copy_bytes: dst holds ",
                     dst.numel() * dst.element_size(), " bytes, src ", n);
+        const mk::CopyUse u = copy_use(use);
         py::gil_scoped_release nogil;
-        mk::copy_bytes(dst.data_ptr(), src.data_ptr(), n);
+        mk::copy_bytes(dst.data_ptr(), src.data_ptr(), n, u);
       },
-      py::arg("dst"), py::arg("src"),
-      "Copy src's bytes into dst the way windows copy to and from mapped memory (bench/window_copy.py).");
+      py::arg("dst"), py::arg("src"), py::arg("use") = "window",
+      "Copy src's bytes into dst the way windows ('window') or collectives ('collective') copy to and from "
+      "mapped memory (bench/window_copy.py).");
   py::class_<mk::StoreCall, std::shared_ptr<mk::StoreCall>>(
       m, "StoreCall", "A c10d Store call running on superkernel's Store worker thread (csrc/store_worker.h).")
       .def(
@@ -507,8 +515,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("microseconds"),
       "How long the Store worker thread polls for its next call before it sleeps (default 250 us); returns the "
       "previous value.");
-  m.def("copy_method", &mk::copy_method, py::arg("nbytes"),
-        "How copy_bytes copies that many bytes: 'memcpy', 'pieces' or 'stream'.");
+  m.def(
+      "copy_method", [](int64_t nbytes, const std::string& use) { return mk::copy_method(size_t(nbytes), copy_use(use)); },
+      py::arg("nbytes"), py::arg("use") = "window",
+      "How copy_bytes copies that many bytes for `use` ('window' or 'collective'): 'memcpy', 'pieces' or 'stream'.");
 
   m.def(
       "transports",

@@ -15,6 +15,7 @@
 namespace mk {
 namespace {
 
+constexpr size_t kSmall = size_t(1) << 20;
 constexpr size_t kPiece = size_t(64) << 10;
 
 // The size of one last-level cache instance: sysfs first (what the kernel was told about this core's cache),
@@ -96,12 +97,15 @@ bool streams(size_t n) {
 
 }  // namespace
 
-const char* copy_method(size_t n) {
+// Up to here (inclusive) a copy is one memcpy, when it does not stream.
+size_t single_copy_limit(CopyUse use) { return use == CopyUse::window ? cache_half() : kSmall - 1; }
+
+const char* copy_method(size_t n, CopyUse use) {
   if (streams(n)) return "stream";
-  return n <= cache_half() ? "memcpy" : "pieces";
+  return n <= single_copy_limit(use) ? "memcpy" : "pieces";
 }
 
-void copy_bytes(void* dst, const void* src, size_t n) {
+void copy_bytes(void* dst, const void* src, size_t n, CopyUse use) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
 #if defined(__x86_64__)
@@ -110,7 +114,7 @@ void copy_bytes(void* dst, const void* src, size_t n) {
     return;
   }
 #endif
-  if (n <= cache_half()) {
+  if (n <= single_copy_limit(use)) {
     if (n) std::memcpy(d, s, n);
     return;
   }

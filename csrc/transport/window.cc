@@ -284,7 +284,7 @@ RequestPtr Window::put(int target, size_t offset, const void* src, size_t count,
   if (notify != kNoNotify && notify >= kNotifyTags)
     throw RangeError(cat("mk window #", id_, " put: notify tag ", notify, " is out of range (0 <= tag < ", kNotifyTags, ")"));
   if (char* b = base_[size_t(target)]) {
-    copy_bytes(b + offset * esize_, src, count * esize_);
+    copy_bytes(b + offset * esize_, src, count * esize_, CopyUse::window);
     if (notify != kNoNotify) notify_at(mapped_[size_t(target)]->header(), notify);
     return nullptr;
   }
@@ -296,7 +296,7 @@ RequestPtr Window::put(int target, size_t offset, const void* src, size_t count,
 RequestPtr Window::get(int target, size_t offset, void* dst, size_t count) {
   check(target, offset, count, "get");
   if (char* b = base_[size_t(target)]) {
-    copy_bytes(dst, b + offset * esize_, count * esize_);
+    copy_bytes(dst, b + offset * esize_, count * esize_, CopyUse::window);
     return nullptr;
   }
   RequestPtr r = remote_[size_t(target)]->get(target, id_, offset * esize_, dst, count * esize_);
