@@ -86,19 +86,21 @@ __attribute__((target("avx2"))) void stream_copy(char* d, const char* s, size_t 
 }
 #endif
 
+// Streaming stores only from 1 MiB, whatever the threshold says (stream_copy's alignment head needs n >= 32,
+// and a smaller block is cheaper to bring through the cache).
 bool streams(size_t n) {
 #if defined(__x86_64__)
-  return n > stream_threshold() && have_avx2();
+  return n >= kSmall && n > stream_threshold() && have_avx2();
 #else
   (void)n;
   return false;
 #endif
 }
 
-}  // namespace
-
 // Up to here (inclusive) a copy is one memcpy, when it does not stream.
 size_t single_copy_limit(CopyUse use) { return use == CopyUse::window ? cache_half() : kSmall - 1; }
+
+}  // namespace
 
 const char* copy_method(size_t n, CopyUse use) {
   if (streams(n)) return "stream";

@@ -54,6 +54,19 @@ def test_stream_threshold_override() -> None:
         assert run(str(MiB)) == ["stream", "stream", "stream", "True"]
 
 
+def test_tiny_stream_threshold_never_streams_small_blocks() -> None:
+    """A threshold below 1 MiB streams from 1 MiB only: smaller blocks (down to a few bytes, shorter than the
+    streaming path's alignment head) stay memcpy and copy exactly."""
+    code = ("from superkernel import _C; import torch\n"
+            "for n in (0, 5, 31, 100, 4096, (1 << 20) - 1):\n"
+            "    a = torch.randint(0, 256, (n,), dtype=torch.uint8); b = torch.zeros_like(a)\n"
+            "    _C.copy_bytes(b, a); assert torch.equal(a, b), n; assert _C.copy_method(n) == 'memcpy', n\n"
+            "print('ok')")
+    env = {**os.environ, "SUPERKERNEL_STREAM_COPY_BYTES": "16"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr
+
+
 def test_rejects_mismatched_sizes() -> None:
     with pytest.raises(RuntimeError, match="dst holds 4 bytes, src 8"):
         _C.copy_bytes(torch.zeros(4, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8))
