@@ -2,7 +2,6 @@
 and after a call it polls for the next one for its linger, then sleeps."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -72,7 +71,6 @@ def test_negative_linger_refused() -> None:
         _C.set_store_worker_linger(-1)
 
 
-@pytest.mark.skipif(os.cpu_count() == 1, reason="a polling worker and this thread need two CPUs")
 def test_calls_while_polling_run_in_order(restore_linger: int) -> None:
     """Calls posted while the worker polls are taken at once and answered in posting order."""
     store = dist.HashStore()

@@ -138,7 +138,7 @@ _OVERLAP_BYTES = 1 << 20
 _WARM_NS = 250_000
 _last_store_call_ns = 0
 # an odd version word carries its writer's rank + 1 from this bit up (the version itself stays below it)
-_WRITER = 48
+_WRITER = 48   # = kWriter in csrc/transport/pool_allocator.h, which ends dead writers' writes
 _MISSING = "\x00superkernel-missing\x00"   # never a record: compare_set(k, _MISSING, _MISSING) reads k
 _TOMBSTONE = "deleted "                       # + a unique token: the record of a deleted key
 _LIVE: "weakref.WeakSet[TensorStore]" = weakref.WeakSet()
