@@ -2,27 +2,35 @@
 //   mk::allgather_gemm(a, b, group_name, return_gathered=False, chunks=0) -> (c, gathered)
 //       c = cat_r(a_r) @ b, [R*m, n]. On mk across hosts a ring over the transport: each step forwards the
 //       shard part just received to the next rank while multiplying it (no staging copies: parts land in
-//       `gathered`). On one host, and on other backends: one allgather then one GEMM with one chunk, else the
-//       allgather of row part i+1 while part i is multiplied.
+//       `gathered`). On mk on one host: every rank stages its shard in its shared-memory slots once, and each
+//       rank multiplies every shard straight from the slots, chunk by chunk as they are staged (no copy out).
+//       On other backends: one allgather then one GEMM with one chunk, else the allgather of row part i+1
+//       while part i is multiplied.
 //       `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k] (always a tuple, so the schema
 //       and the fake kernel do not depend on a flag's value).
 //   mk::gemm_allreduce(a, b, group_name, chunks=0) -> c
-//       c = sum_r a_r @ b_r, [m, n] on every rank. Row chunks: chunk i's partial product is allreduced while
-//       chunk i+1 is multiplied (mk: ProcessGroupMK's allreduce issued from the group's lane thread). On mk
-//       across hosts (tcp) with R dividing m: the reduce-scatter ring below, then the reduced blocks ring on
-//       to every rank, each chunk as soon as it is final.
+//       c = sum_r a_r @ b_r, [m, n] on every rank. On mk on one host: the products are written straight into
+//       the shared-memory staging slots, chunk by chunk, and reduced from there (no copy in). On mk across
+//       hosts (tcp) with R dividing m: the reduce-scatter ring below, then the reduced blocks ring on to every
+//       rank, each chunk as soon as it is final. Otherwise row chunks: chunk i's partial product is allreduced
+//       while chunk i+1 is multiplied (mk: ProcessGroupMK's allreduce issued from the group's lane thread).
 //   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
 //       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk across hosts a ring of partial sums
-//       over the transport (see ring_reducescatter). On one host, and on other backends, each chunk takes the same rows from every rank's block, so its reduce-scatter (an mk
-//       collective, or the backend's) leaves this rank's rows of that chunk; the reduce-scatter of chunk i
-//       overlaps the products of chunk i+1.
+//       over the transport (see ring_reducescatter). On mk on one host, the products of every block are
+//       written straight into the staging slots and each rank reduces its block from them. On other
+//       backends each chunk takes the same rows from every rank's block, so its reduce-scatter leaves this
+//       rank's rows of that chunk; the reduce-scatter of chunk i overlaps the products of chunk i+1.
+// The in-place paths on one host need a row to fit in a staging slot (SUPERKERNEL_SHM_CHUNK, 1 MiB); wider
+// rows use ProcessGroupMK's collectives as other backends use theirs. They save the staging copy an unfused
+// composition makes (measured on 2 ranks: see bench/README.md).
 // Every op first agrees with the other ranks on shapes, dtype and chunk count (group.h's Agreement). When one
-// chunk is planned, gemm_allreduce and gemm_reducescatter compute the whole product while that exchange
-// travels, so it costs nothing on the critical path.
+// chunk is planned outside the in-place paths, gemm_allreduce and gemm_reducescatter compute the whole product
+// while that exchange travels, so it costs nothing on the critical path.
 // Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
 // are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically (one
-// chunk when every peer is on this host: see Pipeline::chunks).
+// chunk when every peer is on this host: see Pipeline::chunks; the in-place paths then chunk by slot).
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -34,6 +42,8 @@
 
 #include "kernels/group.h"
 #include "kernels/pipeline.h"
+#include "transport/collectives/collectives.h"
+#include "transport/copy.h"
 
 namespace mk::kernels {
 namespace {
@@ -176,6 +186,20 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, a
   for (auto& x : sends) x.wait();
 }
 
+// Rows per chunk of an in-place shm collective (pipeline.h's in_place_shm): what a staging slot holds, or
+// fewer when a chunk count above one was agreed; 0 when a row does not fit in a slot (then the op uses the
+// backend's collectives instead).
+size_t in_place_rows(Pipeline& p, int64_t rows, size_t row_bytes, size_t pieces, int64_t chunks) {
+  if (!p.in_place_shm() || rows <= 0 || row_bytes == 0) return 0;
+  const size_t most = coll::shm_rows_per_chunk(p.group().comm(), row_bytes, pieces);
+  return std::min<size_t>(most, size_t((rows + chunks - 1) / std::max<int64_t>(chunks, 1)));
+}
+
+// A tensor over staging-slot memory (valid only inside the collective's callback).
+at::Tensor slot_tensor(const char* p, int64_t rows, int64_t cols, const at::TensorOptions& o) {
+  return at::from_blob(const_cast<char*>(p), {rows, cols}, o);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const at::Tensor& b_in,
@@ -212,6 +236,25 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     // sends and receives would deadlock NCCL, whose point-to-point calls outside a group are serialised on
     // one stream; on one host it would copy each shard twice per hop, where the shm collective copies it in
     // once and out once.)
+    // mk on one host: the shards are staged in shared memory once and every rank multiplies each one
+    // straight from its slot (no copy out into `gathered`), chunk by chunk as they are staged.
+    const size_t row_bytes = size_t(k) * a.element_size();
+    if (const size_t rows = in_place_rows(p, m, row_bytes, 1, C)) {
+      const char* src = static_cast<const char*>(a.data_ptr());
+      p.trace("in place: ", rows, " rows per chunk");
+      p.run_in_place("allgather", [&](Comm& comm) {
+        coll::shm_allgather_rows(
+            comm, size_t(m), row_bytes, rows,
+            [&](char* dst, size_t row, size_t nrows) { copy_bytes(dst, src + row * row_bytes, nrows * row_bytes); },
+            [&](int j, const char* from, size_t row, size_t nrows) {
+              at::Tensor part = slot_tensor(from, int64_t(nrows), k, a.options());
+              at::Tensor dst = c.narrow(0, j * m + int64_t(row), int64_t(nrows));
+              at::mm_out(dst, part, b);
+              if (return_gathered) gathered.narrow(0, j * m + int64_t(row), int64_t(nrows)).copy_(part);
+            });
+      }, {a, c, gathered});
+      return {c, return_gathered ? gathered : a.new_empty({0, k})};
+    }
     if (C == 1) {
       p.on_caller([&] { return p.allgather(a, gathered); }).wait();
       at::mm_out(c, gathered, b);
@@ -305,9 +348,13 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
+  // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
+  // chunk, and the sum lands in acc.
+  const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
+  const bool in_place = err.empty() && !ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
   // One chunk planned, no ring: the whole product a_r @ b_r does not depend on the agreed chunk count, so it
   // is computed while the agreement travels (if rank 0 asked for more chunks, they are reduced from it).
-  const bool early = err.empty() && !ring && ga.proposal() == 1 && m > 0 && n > 0;
+  const bool early = err.empty() && !ring && !in_place && ga.proposal() == 1 && m > 0 && n > 0;
   if (early) {
     prepare();
     at::mm_out(acc, half ? a.to(acc_t) : a, b);
@@ -329,6 +376,19 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     }
     at::Tensor mine = acc.narrow(0, int64_t(g.rank) * mb, mb);
     ring_reducescatter(p, a, b, mine, mb, blocks, acc_t, &acc);
+    return half ? acc.to(a_in.scalar_type()) : acc;
+  }
+  if (in_place) {
+    const size_t rows = in_place_rows(p, m, row_bytes, 1, C);
+    p.trace("in place: ", rows, " rows per chunk");
+    p.run_in_place("allreduce", [&](Comm& comm) {
+      coll::shm_allreduce_rows(comm, acc.data_ptr(), size_t(m), size_t(n), DType::f32, rows,
+                               [&](char* dst, size_t row, size_t nrows) {
+                                 at::Tensor out = slot_tensor(dst, int64_t(nrows), n, acc.options());
+                                 at::Tensor src = a.narrow(0, int64_t(row), int64_t(nrows));
+                                 at::mm_out(out, half ? src.to(acc_t) : src, b);
+                               });
+    }, {a, b, acc});
     return half ? acc.to(a_in.scalar_type()) : acc;
   }
   std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -390,9 +450,13 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
+  // mk on one host: each block's products are written straight into the shm staging slots (no copy in),
+  // chunk by chunk, and this rank's block of the sum lands in acc_out.
+  const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
+  const bool in_place = err.empty() && !ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
   // One chunk planned, no ring: every rank's block of partial sums (the whole a_r @ b_r, [R, mb, n]) is
   // computed while the agreement travels.
-  const bool early = err.empty() && !ring && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0;
+  const bool early = err.empty() && !ring && !in_place && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0;
   if (early) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(acc_t));
@@ -414,6 +478,19 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   if (ring) {
     ring_reducescatter(p, a, b, acc_out, mb, ranges, acc_t);
+    return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+  }
+  if (in_place) {
+    const size_t rows = in_place_rows(p, mb, row_bytes, size_t(R), C);
+    p.trace("in place: ", rows, " rows per chunk");
+    p.run_in_place("reduce_scatter", [&](Comm& comm) {
+      coll::shm_reduce_scatter_rows(comm, acc_out.data_ptr(), size_t(mb), size_t(n), DType::f32, rows,
+                                    [&](char* dst, int blk, size_t row, size_t nrows) {
+                                      at::Tensor out = slot_tensor(dst, int64_t(nrows), n, acc_out.options());
+                                      at::Tensor src = a.narrow(0, blk * mb + int64_t(row), int64_t(nrows));
+                                      at::mm_out(out, half ? src.to(acc_t) : src, b);
+                                    });
+    }, {a, b, acc_out});
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
   // Other backends, and mk on one host: one staging buffer per chunk, [R, rows_i, n], block

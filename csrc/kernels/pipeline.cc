@@ -547,6 +547,32 @@ Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
   return backend_work(issue(), cat("mk ", op_, ": reduce_scatter").c_str(), -1, {in, out});
 }
 
+bool Pipeline::in_place_shm() const {
+  return g_.is_mk() && g_.device.is_cpu() && g_.size > 1 && g_.comm().all_local();
+}
+
+void Pipeline::run_in_place(const char* what, std::function<void(Comm&)> fn, std::vector<at::Tensor> keep) {
+  Comm& comm = g_.comm();
+  const std::string title = cat("mk ", op_, ": ", what, " (in place)");
+  auto work = g_.mk->run_ordered(what, keep, [&comm, fn = std::move(fn)] { fn(comm); });
+  Pending pend = backend_work(work, title.c_str(), -1, std::move(keep));
+  pend.set_pollable(false);
+  try {
+    pend.wait();
+  } catch (const std::exception& e) {
+    // The wait gave up before the work ran (queued behind a collective that hangs): fn refers to this call's
+    // stack, so a late start must find the communicator aborted (its first step checks) instead of running.
+    if (!work->isCompleted()) {
+      comm.abort(cat(title, ": ", e.what()));
+      try {  // if it did start, let it fail on the aborted communicator before this stack unwinds
+        work->wait(std::chrono::seconds(10));
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+}
+
 Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": allgather buffers must be contiguous");
   auto backend = g_.backend;

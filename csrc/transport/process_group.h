@@ -70,6 +70,15 @@ class ProcessGroupMK : public c10d::Backend {
 
   Comm& comm() { return *comm_; }
 
+  // Run `fn` (which drives comm() itself, e.g. a fused operator's in-place shm collective) as one of this
+  // group's collectives, in issue order: on the calling thread when nothing is queued or running, else on the
+  // worker after what is. Failures complete the returned Work as a collective's would (a mismatch leaves
+  // the group usable; a timeout, a lost peer or an interrupt aborts it).
+  c10::intrusive_ptr<c10d::Work> run_ordered(const char* title, std::vector<at::Tensor> outputs,
+                                             std::function<void()> fn) {
+    return enqueue(std::chrono::milliseconds(0), c10d::OpType::UNKNOWN, title, std::move(outputs), 0, std::move(fn));
+  }
+
  private:
   using Task = std::function<void()>;
   // Run `fn` in order with the other collectives, under its own timeout when one is given (> 0);

@@ -123,6 +123,68 @@ def test_ring_paths(world: int, transport: str) -> None:
         assert seen.get(("gemm_reducescatter", False)) and seen.get(("automatic", False)), seen
 
 
+_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call (\d+)\] m=(\d+) "
+                    r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=")
+_IN_PLACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call (\d+)\] in place: "
+                       r"(\d+) rows per chunk")
+
+
+def in_place_calls(stderr: str, world: int, slot_bytes: int) -> tuple[int, int]:
+    """Check every traced GEMM op call of one rank on one host: it took the in-place shm path (products
+    written into, shards multiplied straight from, the staging slots) exactly when a row fits in a slot,
+    with at most a slot's rows per chunk. Returns (calls in place, calls that could not be)."""
+    placed = {(op, call): int(rows) for op, _, call, rows in _IN_PLACE.findall(stderr)}
+    seen = [0, 0]
+    for op, _, call, m, k, n, dtype in _TRACE.findall(stderr):
+        m, k, n = int(m), int(k), int(n)
+        if op == "allgather_gemm":
+            row, rows = k * (4 if dtype == "Float" else 2), m
+        elif op == "gemm_allreduce":
+            row, rows = 4 * n, m if k >= 0 and n > 0 else 0
+        else:
+            row, rows = 4 * n * world, m // world if n > 0 else 0
+        if rows == 0 or row == 0:
+            assert (op, call) not in placed, f"{op} call {call}: nothing to exchange, yet in place"
+            continue
+        fits = row <= slot_bytes
+        assert ((op, call) in placed) == fits, (
+            f"{op} call {call} m={m} k={k} n={n} {dtype}: in place {(op, call) in placed}, expected {fits} "
+            f"({row}-byte rows, {slot_bytes}-byte slots)")
+        if fits:
+            assert 1 <= placed[(op, call)] <= slot_bytes // row, (op, call, placed[(op, call)])
+        seen[0 if fits else 1] += 1
+    return seen[0], seen[1]
+
+
+SHM = [(w, t) for w, t in MK_WORLDS if w > 1 and t == "shm"]
+
+
+@pytest.mark.parametrize("world,transport", SHM, ids=[f"{w}ranks-{t}" for w, t in SHM])
+def test_in_place_on_one_host(world: int, transport: str) -> None:
+    """On one host every GEMM op call whose rows fit in a staging slot (1 MiB) runs its collective in place."""
+    for res in _worlds.results(world, transport, args_for(world, transport)):
+        placed, fell_back = in_place_calls(res.stderr, world, 1 << 20)
+        assert placed > 50 and fell_back == 0, (res.rank, placed, fell_back)
+
+
+_small_slots = WorldCache("gemm_suite.py", timeout=300,
+                          env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_SHM_CHUNK": "4096"})
+
+
+@pytest.mark.parametrize("family", OPS)
+def test_small_staging_slots(family: str) -> None:
+    """4 KiB staging slots: the in-place path runs many chunks per call (a slot holds a few rows) and wraps
+    the slot ring; rows wider than a slot (gemm_reducescatter n=1024) fall back to the collectives. Every
+    result still matches the float64 reference."""
+    results = _small_slots.results(2, "shm", ["--large"])
+    problems = failures_of([r.report() for r in results], family)
+    assert not problems, "\n".join(problems[:20])
+    for res in results:
+        placed, fell_back = in_place_calls(res.stderr, 2, 4096)
+        assert placed > 50 and fell_back > 0, (res.rank, placed, fell_back)
+        assert re.search(r"\] in place: 1 rows per chunk", res.stderr), "no call ran one row per chunk"
+
+
 GLOO = [(w, t) for w, t in WORLDS if t == "gloo"]
 
 

@@ -23,13 +23,16 @@ size_t align_elems(size_t n, size_t es) {
   return (n + a - 1) / a * a;
 }
 
-void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const OpDesc& d, const Deadline& dl) {
+// `fill(slot, off, n)` puts elements [off, off + n) of this rank's input into its staging slot (by default
+// a copy of buf's); the sum lands in buf. Chunks of `per_chunk` elements (0: as many as a slot holds).
+template <typename Fill>
+void shm_allreduce_with(Comm& c, char* buf, size_t count, DType t, RedOp op, const OpDesc& d, const Deadline& dl,
+                        size_t per_chunk, Fill fill) {
   ShmProvider& s = *c.shm();
   const int R = s.local_size(), me = s.local_rank();
   const size_t es = dtype_size(t);
-  const size_t per_chunk = s.chunk_bytes() / es;
+  if (per_chunk == 0) per_chunk = s.chunk_bytes() / es;
   std::vector<const void*> srcs(static_cast<size_t>(R));
-  auto fill = [&](int slot, size_t off, size_t n) { copy_bytes(s.slot(me, slot), buf + off * es, n * es); };
   auto drain = [&](int slot, size_t off, size_t n) {
     if (n * es <= kSmallBytes) {  // every rank reduces the whole chunk: one synchronisation
       for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot);
@@ -48,6 +51,36 @@ void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const Op
     }
   };
   shm_chunks(c, d, dl, count, per_chunk, true, fill, drain);
+}
+
+void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const OpDesc& d, const Deadline& dl) {
+  ShmProvider& s = *c.shm();
+  const size_t es = dtype_size(t);
+  shm_allreduce_with(c, buf, count, t, op, d, dl, 0, [&](int slot, size_t off, size_t n) {
+    copy_bytes(s.slot(s.local_rank(), slot), buf + off * es, n * es);
+  });
+}
+
+// One host: chunk [off, off + n) of every rank's block r is written by `fill(piece, r, off, n)` into piece r
+// of this rank's slot; then each rank reduces its own block's pieces of every slot into out.
+template <typename Fill>
+void shm_reduce_scatter_with(Comm& c, char* out, size_t count, DType t, RedOp op, const OpDesc& d,
+                             const Deadline& dl, size_t per_chunk, Fill fill) {
+  ShmProvider& s = *c.shm();
+  const int R = s.local_size(), lme = s.local_rank(), me = c.rank();
+  const size_t es = dtype_size(t);
+  if (per_chunk == 0) per_chunk = std::max<size_t>(1, s.chunk_bytes() / es / size_t(R));
+  std::vector<const void*> srcs(static_cast<size_t>(R));
+  shm_chunks(
+      c, d, dl, count, per_chunk, true,
+      [&](int slot, size_t off, size_t n) {
+        char* mine = s.slot(lme, slot);
+        for (int r = 0; r < R; ++r) fill(mine + size_t(r) * n * es, r, off, n);
+      },
+      [&](int slot, size_t off, size_t n) {
+        for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + size_t(me) * n * es;
+        reduce_many(out + off * es, srcs.data(), R, n, t, op);
+      });
 }
 
 // The ranks an algorithm runs over (all of the group, or one leader per host) and our index among them.
@@ -219,21 +252,9 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
   if (R == 1) {
     copy_bytes(dst, src, count * es);
   } else if (c.all_local()) {
-    ShmProvider& s = *c.shm();
-    const int lme = s.local_rank();
-    const size_t per_chunk = std::max<size_t>(1, s.chunk_bytes() / es / size_t(R));
-    std::vector<const void*> srcs(static_cast<size_t>(R));
-    shm_chunks(
-        c, d, dl, count, per_chunk, true,
-        [&](int slot, size_t off, size_t n) {
-          char* mine = s.slot(lme, slot);
-          for (int r = 0; r < R; ++r)
-            copy_bytes(mine + size_t(r) * n * es, src + (size_t(r) * count + off) * es, n * es);
-        },
-        [&](int slot, size_t off, size_t n) {
-          for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + size_t(me) * n * es;
-          reduce_many(dst + off * es, srcs.data(), R, n, t, op);
-        });
+    shm_reduce_scatter_with(c, dst, count, t, op, d, dl, 0, [&](char* piece, int r, size_t off, size_t n) {
+      copy_bytes(piece, src + (size_t(r) * count + off) * es, n * es);
+    });
   } else if (is_half(t)) {
     std::vector<float> wide(count * size_t(R));
     to_f32(wide.data(), src, wide.size(), t);
@@ -247,6 +268,40 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
     copy_bytes(dst, work.data() + size_t(me) * count * es, count * es);
   }
   if (op == RedOp::avg) finish_avg(out, count, t, R);
+}
+
+size_t shm_rows_per_chunk(const Comm& c, size_t row_bytes, size_t pieces) {
+  if (c.size() < 2 || !c.all_local() || row_bytes == 0 || pieces == 0) return 0;
+  return c.shm()->chunk_bytes() / (row_bytes * pieces);
+}
+
+void shm_allreduce_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType t, size_t rows_per_chunk,
+                        const std::function<void(char* dst, size_t row, size_t nrows)>& fill) {
+  c.check_usable("allreduce");
+  check_reducible(t, RedOp::sum, cat("mk allreduce (rank ", c.rank(), ")"));
+  check_rows(c, "allreduce", row_elems * dtype_size(t), 1, rows_per_chunk);
+  const size_t count = rows * row_elems;
+  const OpDesc d{Kind::allreduce, t, RedOp::sum, count, -1};
+  c.next_seq();
+  ShmProvider& s = *c.shm();
+  shm_allreduce_with(c, static_cast<char*>(out), count, t, RedOp::sum, d, c.deadline(), rows_per_chunk * row_elems,
+                     [&](int slot, size_t off, size_t n) {
+                       fill(s.slot(s.local_rank(), slot), off / row_elems, n / row_elems);
+                     });
+}
+
+void shm_reduce_scatter_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType t, size_t rows_per_chunk,
+                             const std::function<void(char* dst, int block, size_t row, size_t nrows)>& fill) {
+  c.check_usable("reduce_scatter");
+  check_reducible(t, RedOp::sum, cat("mk reduce_scatter (rank ", c.rank(), ")"));
+  check_rows(c, "reduce_scatter", row_elems * dtype_size(t), size_t(c.size()), rows_per_chunk);
+  const size_t count = rows * row_elems;
+  const OpDesc d{Kind::reduce_scatter, t, RedOp::sum, count, -1};
+  c.next_seq();
+  shm_reduce_scatter_with(c, static_cast<char*>(out), count, t, RedOp::sum, d, c.deadline(),
+                          rows_per_chunk * row_elems, [&](char* piece, int r, size_t off, size_t n) {
+                            fill(piece, r, off / row_elems, n / row_elems);
+                          });
 }
 
 }  // namespace mk::coll

@@ -1,4 +1,5 @@
 #include "transport/collectives/collective.h"
+#include "transport/collectives/collectives.h"
 
 namespace mk::coll {
 
@@ -55,6 +56,16 @@ void shm_sync(Comm& c, const OpDesc& d, const Deadline& dl) {
 void shm_done(Comm& c, int slot) {
   ShmProvider& s = *c.shm();
   s.release_slot(slot, s.publish());
+}
+
+void check_rows(const Comm& c, const char* op, size_t row_bytes, size_t pieces, size_t rows_per_chunk) {
+  if (c.size() < 2 || !c.all_local())
+    throw Error(cat("mk ", op, " (in place): rank ", c.rank(), ": needs a group of 2 or more ranks on one host with "
+                    "shared memory"));
+  const size_t most = shm_rows_per_chunk(c, row_bytes, pieces);
+  if (rows_per_chunk == 0 || rows_per_chunk > most)
+    throw Error(cat("mk ", op, " (in place): rank ", c.rank(), ": ", rows_per_chunk, " rows of ", row_bytes,
+                    " bytes per chunk, but a staging slot holds ", most));
 }
 
 void sendrecv(Comm& c, const char* op, int dst, const void* sbuf, size_t sbytes, int src, void* rbuf,

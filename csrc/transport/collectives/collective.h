@@ -107,6 +107,10 @@ void shm_chunks(Comm& c, const OpDesc& d, const Deadline& dl, size_t total, size
   } while (off < total);
 }
 
+// The in-place shm variants' precondition (see collectives.h): one host with shm, and chunks of
+// [1, shm_rows_per_chunk] rows. Throws Error naming the op and rank otherwise.
+void check_rows(const Comm& c, const char* op, size_t row_bytes, size_t pieces, size_t rows_per_chunk);
+
 // Point-to-point helpers for the ring/tree algorithms.
 void sendrecv(Comm& c, const char* op, int dst, const void* sbuf, size_t sbytes, int src, void* rbuf,
               size_t rbytes, uint64_t tag, uint64_t check, const Deadline& dl);

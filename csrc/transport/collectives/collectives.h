@@ -5,6 +5,7 @@
 // and reported on every rank that can see it, never turned into a hang or a wrong answer.
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <vector>
 
 #include "transport/comm.h"
@@ -29,5 +30,29 @@ void alltoall(Comm& c, const void* in, void* out, const std::vector<size_t>& sen
               const std::vector<size_t>& send_off, const std::vector<size_t>& recv_bytes,
               const std::vector<size_t>& recv_off);
 void barrier(Comm& c);
+
+// In-place variants for one host (every rank local, shared-memory provider), for fused operators: the caller
+// produces its input straight into the staging slots and consumes the peers' data straight from them, so
+// no staging copy is made. Data moves in chunks of whole rows (row_bytes each); `rows_per_chunk` must be in
+// [1, shm_rows_per_chunk(c, row_bytes, pieces)]. Callbacks run on the calling thread, in chunk order; slot
+// pointers are valid only during the callback. Every rank must make the same call (size, dtype); a
+// disagreement is reported on every rank (MismatchError), as for the collectives above.
+//
+// Rows of a chunk a slot holds (0 when a row does not fit, or the group is not one host with shm). pieces:
+// how many row ranges one chunk holds (the group size for reduce_scatter, else 1).
+size_t shm_rows_per_chunk(const Comm& c, size_t row_bytes, size_t pieces);
+// Sum over ranks of a [rows, row_elems] matrix each rank produces: fill(dst, row, nrows) writes rows
+// [row, row + nrows) of this rank's term into dst; the sum lands in out ([rows, row_elems]).
+void shm_allreduce_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType t, size_t rows_per_chunk,
+                        const std::function<void(char* dst, size_t row, size_t nrows)>& fill);
+// Each rank's term is size blocks of [rows, row_elems]; out gets this rank's block of the sum.
+// fill(dst, block, row, nrows) writes rows [row, row + nrows) of the term's block `block` into dst.
+void shm_reduce_scatter_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType t, size_t rows_per_chunk,
+                             const std::function<void(char* dst, int block, size_t row, size_t nrows)>& fill);
+// Every rank contributes `rows` rows of row_bytes: fill(dst, row, nrows) writes its rows [row, row + nrows);
+// use(rank, src, row, nrows) is then called for every rank (this one included) with that rank's rows.
+void shm_allgather_rows(Comm& c, size_t rows, size_t row_bytes, size_t rows_per_chunk,
+                        const std::function<void(char* dst, size_t row, size_t nrows)>& fill,
+                        const std::function<void(int rank, const char* src, size_t row, size_t nrows)>& use);
 
 }  // namespace mk::coll

@@ -75,4 +75,21 @@ void gather(Comm& c, const void* in, void* out, size_t bytes, int root) {
   }
 }
 
+void shm_allgather_rows(Comm& c, size_t rows, size_t row_bytes, size_t rows_per_chunk,
+                        const std::function<void(char* dst, size_t row, size_t nrows)>& fill,
+                        const std::function<void(int rank, const char* src, size_t row, size_t nrows)>& use) {
+  c.check_usable("allgather");
+  check_rows(c, "allgather", row_bytes, 1, rows_per_chunk);
+  const OpDesc d{Kind::allgather, DType::u8, RedOp::sum, rows * row_bytes, -1};
+  c.next_seq();
+  ShmProvider& s = *c.shm();
+  const int R = c.size();
+  shm_chunks(
+      c, d, c.deadline(), rows * row_bytes, rows_per_chunk * row_bytes, true,
+      [&](int slot, size_t off, size_t n) { fill(s.slot(s.local_rank(), slot), off / row_bytes, n / row_bytes); },
+      [&](int slot, size_t off, size_t n) {
+        for (int r = 0; r < R; ++r) use(r, s.slot(r, slot), off / row_bytes, n / row_bytes);
+      });
+}
+
 }  // namespace mk::coll
