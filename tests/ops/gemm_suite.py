@@ -272,6 +272,22 @@ def grad_gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, ch
     return _compare([("grad a", a.grad, A[rank].grad), ("grad b", b.grad, B[rank].grad)], dtype)
 
 
+def busy(case):
+    """case() while an asynchronous 16 MiB allreduce is still queued or running on the group: on mk the op's
+    collective then waits its turn (and may run on ProcessGroupMK's worker thread, with the caller's
+    autograd state). Also checks that allreduce's result."""
+    def run() -> str:
+        big = torch.full((4 << 20,), float(rank + 1))
+        work = dist.all_reduce(big, async_op=True)
+        try:
+            problem = case()
+        finally:
+            work.wait()
+        want = float(world * (world + 1) // 2)
+        return problem or ("" if torch.all(big == want) else "the concurrent allreduce's result is wrong")
+    return run
+
+
 def run_grads() -> None:
     for (m, k, n), dtype, chunks in [((5, 3, 4), torch.float32, 0), ((7, 13, 5), torch.float32, 3),
                                      ((33, 64, 17), torch.bfloat16, 0), ((1, 1, 1), torch.float16, 1)]:
@@ -281,6 +297,13 @@ def run_grads() -> None:
                   lambda: grad_allgather_gemm_case(m, k, n, dtype, chunks, gathered, b_grad))
         check("grad", f"gemm_allreduce {name}", lambda: grad_gemm_allreduce_case(m, k, n, dtype, chunks))
         check("grad", f"gemm_reducescatter {name}", lambda: grad_gemm_reducescatter_case(m, k, n, dtype, chunks))
+    # inputs that require grad while the group is busy with another collective
+    m, k, n, dtype = 8 * world, 24, 40, torch.float32
+    check("grad", "allgather_gemm while busy",
+          busy(lambda: grad_allgather_gemm_case(m, k, n, dtype, 0, True, True)))
+    check("grad", "gemm_allreduce while busy", busy(lambda: grad_gemm_allreduce_case(m, k, n, dtype, 0)))
+    check("grad", "gemm_reducescatter while busy",
+          busy(lambda: grad_gemm_reducescatter_case(m // world, k, n, dtype, 0)))
 
 
 # ---------------------------------------------------------------- opcheck and compile
