@@ -12,7 +12,8 @@ max(compute, comm) is what perfect overlap would reach on a machine where commun
 "both at once" is what overlapping two independent pieces of work reaches on this one (on a small VM the
 communication's CPU work, the kernel's network stack included, slows the computation), so it bounds what
 any pipelining can do. Columns: op, shape, fused ms, unfused ms, speedup (unfused / fused), ideal ms,
-fused/ideal, both ms, fused/both. The five variants of a case are interleaved, one call each per
+fused/ideal, both ms, fused/both; the detail adds A/A, the unfused composition against itself timed in a
+second slot (the noise a speedup must exceed). The six variants of a case are interleaved, one call each per
 round; each call starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides)
 and the table shows the median over the rounds. Each row's detail also gives the median minor page faults
 per call of the fused and unfused variants (the maximum over ranks; whole process). Results go to
@@ -68,7 +69,7 @@ def _max_over_ranks(dist: Any, torch: Any, value: float) -> float:
     return float(t.item())
 
 
-KINDS = ("fused", "unfused", "compute", "comm", "both")
+KINDS = ("fused", "unfused", "unfused_again", "compute", "comm", "both")
 
 
 class Concurrently:
@@ -176,9 +177,14 @@ def format_table(doc: dict[str, Any]) -> str:
     for row, r in zip(rows, doc["results"]):
         faults = (f"; page faults per call fused {r['fused_faults']:.0f}, unfused {r['unfused_faults']:.0f}"
                   if "fused_faults" in r else "")
-        detail = (f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{faults}"
+        aa = f", A/A {r['unfused_ms'] / r['unfused_again_ms']:.2f}" if "unfused_again_ms" in r else ""
+        detail = (f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{aa}{faults}"
                   f"{'; ' + r['note'] if r['note'] else ''})")
         lines.append(" | ".join(v.rjust(w) for v, w in zip(row, widths)) + detail)
+    aas = [r["unfused_ms"] / r["unfused_again_ms"] for r in doc["results"] if "unfused_again_ms" in r]
+    if aas:
+        lines.append(f"# A/A = unfused / the same unfused composition in a second slot of every round: "
+                     f"{min(aas):.2f}-{max(aas):.2f} over these rows, this run's noise for a speedup")
     return "\n".join(lines)
 
 
@@ -252,7 +258,9 @@ def main() -> int:
             if wanted_ops and case.op not in wanted_ops:
                 continue
             row: dict[str, Any] = {"family": fam, "op": case.op, "shape": case.shape, "note": case.note, **case.extra}
-            fns = {k: getattr(case, k) for k in KINDS if k != "both"}
+            fns = {k: getattr(case, k) for k in KINDS if k not in ("both", "unfused_again")}
+            # an A/A control: the unfused composition once more, in its own slot of every round
+            fns["unfused_again"] = case.unfused
             fns["both"] = Concurrently(case.compute, case.comm)
             secs, iters = measure(fns, args.time, args.min_iters, args.max_iters,
                                   dist, torch, args.chunks, args.settle_ms / 1e3)
