@@ -89,8 +89,15 @@ class GemmAgreement {
   }
   // This rank's own proposal (the agreed count is rank 0's; they differ only when ranks request different ones).
   int64_t proposal() const { return proposal_; }
+  // After chunks(): the largest value any rank passed for k (i = 1) or n (i = 2).
+  int64_t max_over_ranks(size_t i) const {
+    int64_t v = 0;
+    for (const auto& r : all_) v = std::max(v, r.at(i));
+    return v;
+  }
   int64_t chunks() {
-    const int64_t C = agreement_->result()[0].back();
+    all_ = agreement_->result();
+    const int64_t C = all_[0].back();
     p_.use_chunks(C);
     p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
              requested_ > 0 ? ", requested" : ", automatic", ")", extra_);
@@ -104,6 +111,7 @@ class GemmAgreement {
   int64_t m_, k_, n_, requested_, proposal_ = 1;
   std::string extra_;
   std::optional<Agreement> agreement_;
+  std::vector<std::vector<int64_t>> all_;
 };
 
 // gemm_reducescatter on mk: a ring of partial sums straight over the transport. At step s rank r works on
@@ -186,13 +194,28 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, a
   for (auto& x : sends) x.wait();
 }
 
-// Rows per chunk of an in-place shm collective (pipeline.h's in_place_shm): what a staging slot holds, or
-// fewer when a chunk count above one was agreed; 0 when a row does not fit in a slot (then the op uses the
-// backend's collectives instead).
-size_t in_place_rows(Pipeline& p, int64_t rows, size_t row_bytes, size_t pieces, int64_t chunks) {
+// Rows per chunk of an in-place shm collective (pipeline.h's in_place_shm): what a staging slot holds (a
+// chunk holds `slot_pieces` row ranges), or fewer when a chunk count above one was agreed; 0 when a row does
+// not fit in a slot (the op then uses the backend's collectives).
+size_t in_place_rows(Pipeline& p, int64_t rows, size_t row_bytes, size_t slot_pieces, int64_t chunks) {
   if (!p.in_place_shm() || rows <= 0 || row_bytes == 0) return 0;
-  const size_t most = coll::shm_rows_per_chunk(p.group().comm(), row_bytes, pieces);
+  const size_t most = coll::shm_rows_per_chunk(p.group().comm(), row_bytes, slot_pieces);
   return std::min<size_t>(most, size_t((rows + chunks - 1) / std::max<int64_t>(chunks, 1)));
+}
+
+// Whether splitting into the in-place path's GEMMs pays: each GEMM packs b ([k, n]) again, so its
+// `gemms_per_chunk` x chunks GEMMs read (G - 1) k n more elements than one GEMM over all rows, against `saved`
+// elements of staging copy they avoid. In place when (G - 1) k n <= 2 saved, or when a chunk count above one
+// was asked for (the GEMM is split on either path). Arguments that may differ between ranks (gemm_allreduce's
+// k, allgather_gemm's n) must be the agreed maxima, so every rank decides alike. Measured on 2 ranks, one
+// host (2026-11-25, in place at every size): gemm_reducescatter 1024x128x1024 (G = 8) 1.11x of unfused, but
+// 1024^3 (G = 8) 0.92x and 2048x512x2048 (G = 32) 0.86x; gemm_allreduce 2048x512x2048 (G = 16) 0.94x.
+bool in_place_pays(int64_t rows, size_t per_chunk, int64_t gemms_per_chunk, int64_t chunks, int64_t k, int64_t n,
+                   double saved) {
+  if (per_chunk == 0) return false;
+  if (chunks > 1) return true;
+  const double gemms = double((size_t(rows) + per_chunk - 1) / per_chunk) * double(gemms_per_chunk);
+  return (gemms - 1) * double(k) * double(n) <= 2 * saved;
 }
 
 // A tensor over staging-slot memory (valid only inside the collective's callback).
@@ -239,7 +262,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     // mk on one host: the shards are staged in shared memory once and every rank multiplies each one
     // straight from its slot (no copy out into `gathered`), chunk by chunk as they are staged.
     const size_t row_bytes = size_t(k) * a.element_size();
-    if (const size_t rows = in_place_rows(p, m, row_bytes, 1, C)) {
+    const size_t rows = in_place_rows(p, m, row_bytes, 1, C);
+    if (in_place_pays(m, rows, R, C, k, ga.max_over_ranks(2), double(R) * m * k)) {
       const char* src = static_cast<const char*>(a.data_ptr());
       p.trace("in place: ", rows, " rows per chunk");
       p.run_in_place("allgather", [&](Comm& comm) {
@@ -351,16 +375,18 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
-  const bool in_place = err.empty() && !ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
+  const bool slots_fit = err.empty() && !ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
   // One chunk planned, no ring: the whole product a_r @ b_r does not depend on the agreed chunk count, so it
   // is computed while the agreement travels (if rank 0 asked for more chunks, they are reduced from it).
-  const bool early = err.empty() && !ring && !in_place && ga.proposal() == 1 && m > 0 && n > 0;
+  const bool early = err.empty() && !ring && !slots_fit && ga.proposal() == 1 && m > 0 && n > 0;
   if (early) {
     prepare();
     at::mm_out(acc, half ? a.to(acc_t) : a, b);
     p.publish(acc);
   }
   const int64_t C = ga.chunks();
+  const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, row_bytes, 1, C) : 0;
+  const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n);
   if (!early) prepare();
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
   if (g.size == 1) {
@@ -379,7 +405,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     return half ? acc.to(a_in.scalar_type()) : acc;
   }
   if (in_place) {
-    const size_t rows = in_place_rows(p, m, row_bytes, 1, C);
+    const size_t rows = in_place_chunk;
     p.trace("in place: ", rows, " rows per chunk");
     p.run_in_place("allreduce", [&](Comm& comm) {
       coll::shm_allreduce_rows(comm, acc.data_ptr(), size_t(m), size_t(n), DType::f32, rows,
@@ -453,10 +479,10 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // mk on one host: each block's products are written straight into the shm staging slots (no copy in),
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
-  const bool in_place = err.empty() && !ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
+  const bool slots_fit = err.empty() && !ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
   // One chunk planned, no ring: every rank's block of partial sums (the whole a_r @ b_r, [R, mb, n]) is
   // computed while the agreement travels.
-  const bool early = err.empty() && !ring && !in_place && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0;
+  const bool early = err.empty() && !ring && !slots_fit && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0;
   if (early) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(acc_t));
@@ -465,6 +491,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     p.publish(full);
   }
   const int64_t C = ga.chunks();
+  const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
+  const bool in_place = in_place_pays(mb, in_place_chunk, R, C, ga.max_over_ranks(1), n, double(m) * n);
   if (!early) prepare();
   if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   if (R == 1) {
@@ -481,7 +509,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
   if (in_place) {
-    const size_t rows = in_place_rows(p, mb, row_bytes, size_t(R), C);
+    const size_t rows = in_place_chunk;
     p.trace("in place: ", rows, " rows per chunk");
     p.run_in_place("reduce_scatter", [&](Comm& comm) {
       coll::shm_reduce_scatter_rows(comm, acc_out.data_ptr(), size_t(mb), size_t(n), DType::f32, rows,

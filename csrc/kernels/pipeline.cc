@@ -1,6 +1,6 @@
 #include "kernels/pipeline.h"
 
-#include <ATen/ThreadLocalState.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/core/Event.h>
@@ -555,10 +555,12 @@ bool Pipeline::in_place_shm() const {
 void Pipeline::run_in_place(const char* what, std::function<void(Comm&)> fn, std::vector<at::Tensor> keep) {
   Comm& comm = g_.comm();
   const std::string title = cat("mk ", op_, ": ", what, " (in place)");
-  // Queued behind other collectives it runs on ProcessGroupMK's worker: with this thread's dispatch state (the
-  // op runs below autograd, with the caller's grad mode), as at::launch carries it to its threads.
-  auto work = g_.mk->run_ordered(what, keep, [&comm, fn = std::move(fn), tls = at::ThreadLocalState()] {
-    at::ThreadLocalStateGuard guard(tls);
+  // Queued behind other collectives it runs on ProcessGroupMK's worker thread, which must then dispatch as the
+  // op's kernel does: below autograd (the kernel's mm_out calls would otherwise refuse inputs that require
+  // grad). A guard on the running thread is enough: the kernel needs no other state of the caller's (no
+  // at::ThreadLocalState capture on every call, which copies the profiler's and Python's thread state).
+  auto work = g_.mk->run_ordered(what, keep, [&comm, fn = std::move(fn)] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     fn(comm);
   });
   Pending pend = backend_work(work, title.c_str(), -1, std::move(keep));
