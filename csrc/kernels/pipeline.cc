@@ -559,9 +559,18 @@ void Pipeline::run_in_place(const char* what, std::function<void(Comm&)> fn, std
   // op's kernel does: below autograd (the kernel's mm_out calls would otherwise refuse inputs that require
   // grad). A guard on the running thread is enough: the kernel needs no other state of the caller's (no
   // at::ThreadLocalState capture on every call, which copies the profiler's and Python's thread state).
-  auto work = g_.mk->run_ordered(what, keep, [&comm, fn = std::move(fn)] {
+  auto work = g_.mk->run_ordered(what, keep, [&comm, title, fn = std::move(fn)] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    fn(comm);
+    try {
+      fn(comm);
+    } catch (const MismatchError&) {
+      throw;  // every rank saw it at the same step: the group stays in step and usable
+    } catch (const std::exception& e) {
+      // The op's own work failed between two steps (a GEMM's allocation): the peers' steps can no longer
+      // match ours, so the communicator is done, as after a transport failure.
+      comm.abort(cat(title, ": ", e.what()));
+      throw;
+    }
   });
   Pending pend = backend_work(work, title.c_str(), -1, std::move(keep));
   pend.set_pollable(false);
