@@ -265,8 +265,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     const size_t rows = in_place_rows(p, m, row_bytes, 1, C);
     if (in_place_pays(m, rows, R, C, k, ga.max_over_ranks(2), double(R) * m * k)) {
       const char* src = static_cast<const char*>(a.data_ptr());
-      p.trace("in place: ", rows, " rows per chunk");
-      p.run_in_place("allgather", [&](Comm& comm) {
+      p.run_in_place("allgather", rows, [&](Comm& comm) {
         coll::shm_allgather_rows(
             comm, size_t(m), row_bytes, rows,
             [&](char* dst, size_t row, size_t nrows) { copy_bytes(dst, src + row * row_bytes, nrows * row_bytes); },
@@ -406,8 +405,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   }
   if (in_place) {
     const size_t rows = in_place_chunk;
-    p.trace("in place: ", rows, " rows per chunk");
-    p.run_in_place("allreduce", [&](Comm& comm) {
+    p.run_in_place("allreduce", rows, [&](Comm& comm) {
       coll::shm_allreduce_rows(comm, acc.data_ptr(), size_t(m), size_t(n), DType::f32, rows,
                                [&](char* dst, size_t row, size_t nrows) {
                                  at::Tensor out = slot_tensor(dst, int64_t(nrows), n, acc.options());
@@ -510,8 +508,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   if (in_place) {
     const size_t rows = in_place_chunk;
-    p.trace("in place: ", rows, " rows per chunk");
-    p.run_in_place("reduce_scatter", [&](Comm& comm) {
+    p.run_in_place("reduce_scatter", rows, [&](Comm& comm) {
       coll::shm_reduce_scatter_rows(comm, acc_out.data_ptr(), size_t(mb), size_t(n), DType::f32, rows,
                                     [&](char* dst, int blk, size_t row, size_t nrows) {
                                       at::Tensor out = slot_tensor(dst, int64_t(nrows), n, acc_out.options());

@@ -552,7 +552,9 @@ bool Pipeline::in_place_shm() const {
   return g_.is_mk() && g_.device.is_cpu() && g_.size > 1 && g_.comm().all_local();
 }
 
-void Pipeline::run_in_place(const char* what, std::function<void(Comm&)> fn, std::vector<at::Tensor> keep) {
+void Pipeline::run_in_place(const char* what, size_t rows_per_chunk, std::function<void(Comm&)> fn,
+                            std::vector<at::Tensor> keep) {
+  trace("in place: ", rows_per_chunk, " rows per chunk");
   Comm& comm = g_.comm();
   const std::string title = cat("mk ", op_, ": ", what, " (in place)");
   // Queued behind other collectives it runs on ProcessGroupMK's worker thread, which must then dispatch as the

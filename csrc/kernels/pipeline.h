@@ -148,11 +148,13 @@ class Pipeline {
   // mk, CPU, every rank on this host (shared memory): the op may run an in-place shm collective
   // (transport/collectives/collectives.h), whose staging slots its GEMMs write into and read from directly.
   bool in_place_shm() const;
-  // Run such a collective and wait for it: `fn` drives the group's Comm itself, in the group's collective
-  // order (on this thread when nothing else is queued; else after what is, on ProcessGroupMK's worker). The
-  // wait is bounded by the group timeout; a failure aborts the communicator, as a collective's does, except a
-  // mismatch of the call between ranks, reported on every rank.
-  void run_in_place(const char* what, std::function<void(Comm&)> fn, std::vector<at::Tensor> keep);
+  // Run such a collective, moving `rows_per_chunk` rows per chunk, and wait for it (traced as "in place: N
+  // rows per chunk"): `fn` drives the group's Comm itself, in the group's collective order (on this thread
+  // when nothing else is queued; else after what is, on ProcessGroupMK's worker). The wait is bounded by the
+  // group timeout; a failure aborts the communicator, as a collective's does, except a mismatch of the call
+  // between ranks, reported on every rank.
+  void run_in_place(const char* what, size_t rows_per_chunk, std::function<void(Comm&)> fn,
+                    std::vector<at::Tensor> keep);
 
   // Collectives (sum) on contiguous (sub-)tensors, run in issue order, asynchronously.
   Pending allreduce(const at::Tensor& t);
