@@ -43,8 +43,19 @@ def _gen(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1
 
 def _step(forward: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor],
           dout: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
-    """One training step: the forward, then the gradients of every input for the upstream gradient dout."""
-    return lambda: torch.autograd.grad(forward(), inputs, dout)
+    """One training step: the forward, then the gradients of every input for the upstream gradient dout.
+
+    A functional collective returns an AsyncCollectiveTensor that only a use of its value waits for; the
+    input gradients of an all_reduce or a reduce-scatter do not use it, so without the explicit wait the
+    step would end before its forward collective did (the barrier before the next call, untimed, would
+    absorb the rest) and torch would warn of unwaited collectives at exit. A training loop uses the
+    forward's output (the next layer, the loss), so the step waits for it."""
+    def step() -> tuple[torch.Tensor, ...]:
+        out = forward()
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out = funcol.wait_tensor(out)
+        return torch.autograd.grad(out, inputs, dout)
+    return step
 
 
 # ------------------------------------------------------------------------------------------------ GEMM
