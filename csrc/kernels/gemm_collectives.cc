@@ -490,7 +490,9 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   const int64_t C = ga.chunks();
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
-  const bool in_place = in_place_pays(mb, in_place_chunk, R, C, ga.max_over_ranks(1), n, double(m) * n);
+  // (a chunk of every row is one GEMM into the slot, else one per block)
+  const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;
+  const bool in_place = in_place_pays(mb, in_place_chunk, gemms_per_chunk, C, ga.max_over_ranks(1), n, double(m) * n);
   if (!early) prepare();
   if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   if (R == 1) {
@@ -510,10 +512,18 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     const size_t rows = in_place_chunk;
     p.run_in_place("reduce_scatter", rows, [&](Comm& comm) {
       coll::shm_reduce_scatter_rows(comm, acc_out.data_ptr(), size_t(mb), size_t(n), DType::f32, rows,
-                                    [&](char* dst, int blk, size_t row, size_t nrows) {
-                                      at::Tensor out = slot_tensor(dst, int64_t(nrows), n, acc_out.options());
-                                      at::Tensor src = a.narrow(0, blk * mb + int64_t(row), int64_t(nrows));
-                                      at::mm_out(out, half ? src.to(acc_t) : src, b);
+                                    [&](char* dst, size_t row, size_t nrows) {
+                                      if (int64_t(nrows) == mb) {  // the chunk is the whole term: one GEMM
+                                        at::Tensor out = slot_tensor(dst, m, n, acc_out.options());
+                                        at::mm_out(out, half ? a.to(acc_t) : a, b);
+                                        return;
+                                      }
+                                      for (int blk = 0; blk < R; ++blk) {  // [R][nrows][n]: one GEMM per block
+                                        at::Tensor out = slot_tensor(dst + size_t(blk) * nrows * row_bytes,
+                                                                     int64_t(nrows), n, acc_out.options());
+                                        at::Tensor src = a.narrow(0, blk * mb + int64_t(row), int64_t(nrows));
+                                        at::mm_out(out, half ? src.to(acc_t) : src, b);
+                                      }
                                     });
     }, {a, b, acc_out});
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;

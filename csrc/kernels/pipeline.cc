@@ -549,7 +549,11 @@ Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
 }
 
 bool Pipeline::in_place_shm() const {
-  return g_.is_mk() && g_.device.is_cpu() && g_.size > 1 && g_.comm().all_local();
+  static const bool allowed = [] {  // SUPERKERNEL_OPS_IN_PLACE=0: the collective paths only (a diagnostic)
+    const char* v = std::getenv("SUPERKERNEL_OPS_IN_PLACE");
+    return !(v && std::string(v) == "0");
+  }();
+  return allowed && g_.is_mk() && g_.device.is_cpu() && g_.size > 1 && g_.comm().all_local();
 }
 
 void Pipeline::run_in_place(const char* what, size_t rows_per_chunk, std::function<void(Comm&)> fn,

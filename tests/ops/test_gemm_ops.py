@@ -148,6 +148,8 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
         return 0
     if chunks > 1:
         return per
+    if op == "gemm_reducescatter" and per == rows:
+        gemms = 1   # a chunk of every row of every block is the whole product: one GEMM into the slot
     g = -(-rows // per) * gemms
     return per if (g - 1) * kmax * nmax <= 2 * saved else 0
 

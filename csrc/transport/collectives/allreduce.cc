@@ -62,7 +62,8 @@ void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const Op
 }
 
 // One host: chunk [off, off + n) of every rank's block r is written by `fill(piece, r, off, n)` into piece r
-// of this rank's slot; then each rank reduces its own block's pieces of every slot into out.
+// of this rank's slot (pieces contiguous in block order, piece r at r * n elements, filled r = 0, 1, ...);
+// then each rank reduces its own block's pieces of every slot into out.
 template <typename Fill>
 void shm_reduce_scatter_with(Comm& c, char* out, size_t count, DType t, RedOp op, const OpDesc& d,
                              const Deadline& dl, size_t per_chunk, Fill fill) {
@@ -291,16 +292,18 @@ void shm_allreduce_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType
 }
 
 void shm_reduce_scatter_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType t, size_t rows_per_chunk,
-                             const std::function<void(char* dst, int block, size_t row, size_t nrows)>& fill) {
+                             const std::function<void(char* dst, size_t row, size_t nrows)>& fill) {
   c.check_usable("reduce_scatter");
   check_reducible(t, RedOp::sum, cat("mk reduce_scatter (rank ", c.rank(), ")"));
   check_rows(c, "reduce_scatter", row_elems * dtype_size(t), size_t(c.size()), rows_per_chunk);
   const size_t count = rows * row_elems;
   const OpDesc d{Kind::reduce_scatter, t, RedOp::sum, count, -1};
   c.next_seq();
+  // (shm_reduce_scatter_with fills a chunk's pieces one block at a time, in block order, contiguously: the
+  // whole chunk is produced at block 0)
   shm_reduce_scatter_with(c, static_cast<char*>(out), count, t, RedOp::sum, d, c.deadline(),
                           rows_per_chunk * row_elems, [&](char* piece, int r, size_t off, size_t n) {
-                            fill(piece, r, off / row_elems, n / row_elems);
+                            if (r == 0) fill(piece, off / row_elems, n / row_elems);
                           });
 }
 

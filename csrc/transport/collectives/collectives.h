@@ -46,9 +46,12 @@ size_t shm_rows_per_chunk(const Comm& c, size_t row_bytes, size_t pieces);
 void shm_allreduce_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType t, size_t rows_per_chunk,
                         const std::function<void(char* dst, size_t row, size_t nrows)>& fill);
 // Each rank's term is size blocks of [rows, row_elems]; out gets this rank's block of the sum.
-// fill(dst, block, row, nrows) writes rows [row, row + nrows) of the term's block `block` into dst.
+// fill(dst, row, nrows) writes rows [row, row + nrows) of every block of the term into dst, laid out
+// [size][nrows][row_elems] (block j's rows at dst + j * nrows * row_elems elements). When one chunk holds
+// every row (nrows == rows), that is the term's own [size * rows, row_elems] layout: one producer (a GEMM)
+// can write all blocks at once.
 void shm_reduce_scatter_rows(Comm& c, void* out, size_t rows, size_t row_elems, DType t, size_t rows_per_chunk,
-                             const std::function<void(char* dst, int block, size_t row, size_t nrows)>& fill);
+                             const std::function<void(char* dst, size_t row, size_t nrows)>& fill);
 // Every rank contributes `rows` rows of row_bytes: fill(dst, row, nrows) writes its rows [row, row + nrows);
 // use(rank, src, row, nrows) is then called for every rank (this one included) with that rank's rows.
 void shm_allgather_rows(Comm& c, size_t rows, size_t row_bytes, size_t rows_per_chunk,
