@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <cmath>
 #include <condition_variable>
 #include <map>
@@ -548,12 +549,13 @@ Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
   return backend_work(issue(), cat("mk ", op_, ": reduce_scatter").c_str(), -1, {in, out});
 }
 
+bool Pipeline::in_place_allowed() {
+  const char* v = std::getenv("SUPERKERNEL_OPS_IN_PLACE");  // read per call: a test flips it on one rank
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
 bool Pipeline::in_place_shm() const {
-  static const bool allowed = [] {  // SUPERKERNEL_OPS_IN_PLACE=0: the collective paths only (a diagnostic)
-    const char* v = std::getenv("SUPERKERNEL_OPS_IN_PLACE");
-    return !(v && std::string(v) == "0");
-  }();
-  return allowed && g_.is_mk() && g_.device.is_cpu() && g_.size > 1 && g_.comm().all_local();
+  return in_place_allowed() && g_.is_mk() && g_.device.is_cpu() && g_.size > 1 && g_.comm().all_local();
 }
 
 void Pipeline::run_in_place(const char* what, size_t rows_per_chunk, std::function<void(Comm&)> fn,

@@ -148,6 +148,9 @@ class Pipeline {
   // mk, CPU, every rank on this host (shared memory): the op may run an in-place shm collective
   // (transport/collectives/collectives.h), whose staging slots its GEMMs write into and read from directly.
   bool in_place_shm() const;
+  // SUPERKERNEL_OPS_IN_PLACE=0 turns the in-place paths off (a diagnostic). Ops that may take them put this
+  // in their argument agreement, so ranks that disagree get an error, not different collectives.
+  static bool in_place_allowed();
   // Run such a collective, moving `rows_per_chunk` rows per chunk, and wait for it (traced as "in place: N
   // rows per chunk"): `fn` drives the group's Comm itself, in the group's collective order (on this thread
   // when nothing else is queued; else after what is, on ProcessGroupMK's worker). The wait is bounded by the

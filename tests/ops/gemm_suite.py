@@ -205,6 +205,18 @@ def run_disagreements() -> None:
     check("errors", "different ops", lambda: expect_error(
         lambda: op(torch.ones(world * 2, 2), torch.ones(2, 3)), other, "different fused-op calls",
         "gemm_allreduce" if rank else "allgather_gemm"))
+    # the in-place switch differs between ranks (they would pick different collectives): an error everywhere
+    if rank == 0:
+        os.environ["SUPERKERNEL_OPS_IN_PLACE"] = "0"
+    try:
+        for name, fn in (("allgather_gemm", lambda: mk.allgather_gemm(torch.ones(4, 3), torch.ones(3, 5))),
+                         ("gemm_allreduce", lambda: mk.gemm_allreduce(torch.ones(4, 3), torch.ones(3, 5))),
+                         ("gemm_reducescatter",
+                          lambda: mk.gemm_reducescatter(torch.ones(world * 2, 3), torch.ones(3, 5)))):
+            check("errors", f"{name} in-place switch differs", lambda: expect_error(
+                fn, name, "SUPERKERNEL_OPS_IN_PLACE differs", "rank 0 has 0", f"rank {world - 1} has 1"))
+    finally:
+        os.environ.pop("SUPERKERNEL_OPS_IN_PLACE", None)
 
 
 # ---------------------------------------------------------------- gradients
