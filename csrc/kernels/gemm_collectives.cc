@@ -101,7 +101,7 @@ class GemmAgreement {
     const int64_t C = all_[0].back();
     p_.use_chunks(C);
     p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
-             requested_ > 0 ? ", requested" : ", automatic", ")", extra_);
+             requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_);
     return C;
   }
 
@@ -363,7 +363,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   // issued and finished per chunk; elsewhere each chunk's allreduce is a collective.
   const int R = g.size;
   const bool ring = err.empty() && R > 1 && m > 0 && m % R == 0 && g.is_mk() && p.over_tcp();
-  if (ring) model.max_chunks = std::max<int64_t>(1, m / R);
+  model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc;

@@ -582,20 +582,27 @@ void Pipeline::run_in_place(const char* what, size_t rows_per_chunk, std::functi
   });
   Pending pend = backend_work(work, title.c_str(), -1, std::move(keep));
   pend.set_pollable(false);
+  std::string failure;
   try {
     pend.wait();
+    return;
+  } catch (const c10::Error& e) {
+    failure = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    // The wait gave up before the work ran (queued behind a collective that hangs): fn refers to this call's
-    // stack, so a late start must find the communicator aborted (its first step checks) instead of running.
-    if (!work->isCompleted()) {
-      comm.abort(cat(title, ": ", e.what()));
-      try {  // if it did start, let it fail on the aborted communicator before this stack unwinds
-        work->wait(std::chrono::seconds(10));
-      } catch (...) {
-      }
-    }
-    throw;
+    failure = e.what();
   }
+  // The wait gave up before the work ran (queued behind a collective that hangs): fn refers to this call's
+  // stack, so a late start must find the communicator aborted (its first step checks) instead of running.
+  if (!work->isCompleted()) {
+    comm.abort(cat(title, ": ", failure));
+    try {  // if it did start, let it fail on the aborted communicator before this stack unwinds
+      work->wait(std::chrono::seconds(10));
+    } catch (...) {
+    }
+  }
+  // A transport error names the collective step ("mk allreduce: rank 0: peer 1 aborted ..."): say which op.
+  if (failure.find(title) == std::string::npos) failure = cat(title, " (rank ", g_.rank, "): ", failure);
+  throw_backend(failure);
 }
 
 Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {

@@ -90,6 +90,23 @@ def test_waits_end_by_timeout_or_interrupt(mode: str) -> None:
         assert rep["seconds"] <= 10, rep
 
 
+def test_own_failure_mid_op_ends_every_rank() -> None:
+    """The op's own work fails on one rank after the collective began (an allocation of its in-place GEMM,
+    bfloat16 on one host): that rank reports the failure, and the peer, already inside the collective, gets an
+    error at once (the communicator is aborted) instead of waiting out the group timeout (60 s)."""
+    from tests.transport.world import run_world
+
+    results = run_world(2, str(HERE / "gemm_stuck.py"), ["--mode", "oom"], timeout=120,
+                        env={"SUPERKERNEL_OPS_TRACE": "1"})
+    reps = {r.rank: r.report() for r in results}
+    assert "in place" in results[1].stderr, results[1].stderr[-2000:]
+    failed, peer = reps[1], reps[0]
+    assert failed["error"] and "allocate" in failed["error"], failed
+    assert peer["error"] and "gemm_allreduce" in peer["error"] and "abort" in peer["error"], peer
+    assert "peer 1" in peer["error"], peer
+    assert peer["seconds"] < 15 and failed["seconds"] < 15, reps
+
+
 MULTI = [(w, t) for w, t in MK_WORLDS if w > 1]
 
 
@@ -121,6 +138,31 @@ def test_ring_paths(world: int, transport: str) -> None:
     else:
         assert seen.get(("gemm_allreduce", False)), seen
         assert seen.get(("gemm_reducescatter", False)) and seen.get(("automatic", False)), seen
+
+
+_REQUESTED = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(\d+) .* "
+                        r"chunks=(\d+) \(proposed (\d+), requested (\d+)\)(?: return_gathered=\d)?(?: ring=(\d))?")
+
+
+MULTIRANK = [(w, t) for w, t in WORLDS if w > 1]
+
+
+@pytest.mark.parametrize("world,transport", MULTIRANK, ids=[f"{w}ranks-{t}" for w, t in MULTIRANK])
+def test_requested_chunks_are_used(world: int, transport: str) -> None:
+    """chunks=N is used as asked, bounded by the rows there are to split (m for allgather_gemm and
+    gemm_allreduce, m/R per block for gemm_reducescatter and for gemm_allreduce's ring), on every backend and
+    path. (gemm_allreduce once clamped every request to 1 off its ring path: on Gloo it never overlapped.)"""
+    seen: dict[str, int] = {}
+    for res in _worlds.results(world, transport, args_for(world, transport)):
+        for op, m, agreed, proposed, requested, ring in _REQUESTED.findall(res.stderr):
+            m, requested = int(m), int(requested)
+            rows = m // world if op == "gemm_reducescatter" or ring == "1" else m
+            want = min(requested, max(rows, 1))
+            assert int(proposed) == want, f"rank {res.rank}: {op} m={m} requested {requested}: proposed {proposed}"
+            assert int(agreed) == want, f"rank {res.rank}: {op} m={m} requested {requested}: agreed {agreed}"
+            if want > 1:
+                seen[op] = seen.get(op, 0) + 1
+    assert set(seen) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, seen
 
 
 _TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call (\d+)\] m=(\d+) "
