@@ -106,7 +106,8 @@ TUNING_CALLS = 8   # 4 candidate chunk counts, each timed twice
 
 
 def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
-            torch: Any, chunks: int = 0, settle: float = 0.0) -> tuple[dict[str, float], int]:
+            torch: Any, chunks: int = 0, settle: float = 0.0,
+            machine_cpu: bool = False) -> tuple[dict[str, float], int]:
     """Median per-call seconds of each variant and the iteration count (the same on every rank).
 
     The variants are interleaved (one call of each per round), so drifting load from other processes on this
@@ -116,7 +117,11 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     starts after a barrier; a call's time is the maximum over ranks; the median over rounds, not the mean,
     since other processes add a long tail to some calls. ``settle`` seconds of idle link (untimed) precede
     every call: over a ``tc tbf`` link the shaper's token bucket then refills, so each variant starts from
-    the same link state (without it, the variant that follows an idle one gets a burst the others do not)."""
+    the same link state (without it, the variant that follows an idle one gets a burst the others do not).
+    ``machine_cpu``: also the mean busy CPU time of the whole machine per call (every core, the kernel's
+    network stack included; /proc/stat, read after the barrier and after the call, outside the timing): where
+    the "hosts" share one machine, what communication costs the cores the computation needs. /proc/stat
+    counts in ticks (10 ms), so only the mean over many calls means anything."""
     for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
         fn()
     if "fused" in fns and chunks == 0:
@@ -132,22 +137,41 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     iters = int(min(max_iters, max(min_iters, len(fns) * seconds / max(one, 1e-6))))
     times = torch.zeros(len(fns), iters, dtype=torch.float64)
     faults = torch.zeros(len(fns), iters, dtype=torch.float64)
+    busy = torch.zeros(len(fns), iters, dtype=torch.float64)
     order = list(enumerate(fns.values()))
     for i in range(iters):
         for j, fn in order[i % len(order):] + order[:i % len(order)]:
             if settle > 0:
                 time.sleep(settle)
             _barrier(dist)
+            b0 = _machine_busy() if machine_cpu else 0.0
             f0 = _minor_faults()
             t0 = time.perf_counter()
             fn()
             times[j, i] = time.perf_counter() - t0
             faults[j, i] = _minor_faults() - f0
+            if machine_cpu:
+                busy[j, i] = _machine_busy() - b0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     dist.all_reduce(faults, op=dist.ReduceOp.MAX)
     med, med_faults = times.median(dim=1).values, faults.median(dim=1).values
-    return ({k: float(med[j].item()) for j, k in enumerate(fns)}
-            | {f"{k}_faults": float(med_faults[j].item()) for j, k in enumerate(fns)}), iters
+    out = ({k: float(med[j].item()) for j, k in enumerate(fns)}
+           | {f"{k}_faults": float(med_faults[j].item()) for j, k in enumerate(fns)})
+    if machine_cpu:  # every rank reads its own machine's counter: the busiest machine
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        out |= {f"{k}_cpu": float(busy[j].mean().item()) for j, k in enumerate(fns)}
+    return out, iters
+
+
+def _machine_busy() -> float:
+    """Seconds of busy CPU time of the whole machine so far (every core; /proc/stat's first line minus idle
+    and iowait)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / _TICKS
+
+
+_TICKS = float(os.sysconf("SC_CLK_TCK"))
 
 
 def _minor_faults() -> int:
@@ -178,7 +202,10 @@ def format_table(doc: dict[str, Any]) -> str:
         faults = (f"; page faults per call fused {r['fused_faults']:.0f}, unfused {r['unfused_faults']:.0f}"
                   if "fused_faults" in r else "")
         aa = f", A/A {r['unfused_ms'] / r['unfused_again_ms']:.2f}" if "unfused_again_ms" in r else ""
-        detail = (f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{aa}{faults}"
+        cpu = ("; machine CPU ms per call: " + ", ".join(f"{k} {r[k + '_cpu'] * 1e3:.1f}" for k in
+                                                         ("fused", "unfused", "compute", "comm", "both"))
+               if "fused_cpu" in r else "")
+        detail = (f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{aa}{faults}{cpu}"
                   f"{'; ' + r['note'] if r['note'] else ''})")
         lines.append(" | ".join(v.rjust(w) for v, w in zip(row, widths)) + detail)
     aas = [r["unfused_ms"] / r["unfused_again_ms"] for r in doc["results"] if "unfused_again_ms" in r]
@@ -227,6 +254,8 @@ def main() -> int:
     ap.add_argument("--time", type=float, default=1.0, help="seconds of timed calls per variant of a case")
     ap.add_argument("--settle-ms", type=float, default=0.0,
                     help="idle link before every timed call (bench/netns.py sets it on shaped links)")
+    ap.add_argument("--machine-cpu", action="store_true",
+                    help="also report the whole machine's busy CPU time per call (bench/netns.py sets it)")
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--out-dir", default=str(HERE / "results"))
@@ -263,9 +292,9 @@ def main() -> int:
             fns["unfused_again"] = case.unfused
             fns["both"] = Concurrently(case.compute, case.comm)
             secs, iters = measure(fns, args.time, args.min_iters, args.max_iters,
-                                  dist, torch, args.chunks, args.settle_ms / 1e3)
-            row.update({f"{k}_ms": v * 1e3 for k, v in secs.items() if not k.endswith("_faults")})
-            row.update({k: v for k, v in secs.items() if k.endswith("_faults")})
+                                  dist, torch, args.chunks, args.settle_ms / 1e3, args.machine_cpu)
+            row.update({f"{k}_ms": v * 1e3 for k, v in secs.items() if not k.endswith(("_faults", "_cpu"))})
+            row.update({k: v for k, v in secs.items() if k.endswith(("_faults", "_cpu"))})
             row["iters"] = iters
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
             results.append(row)

@@ -60,6 +60,8 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
         # the tbf bucket (4 ms of traffic, tests/netns/hosts.py) refills before every timed call, so the
         # fused op, the unfused one and the communication alone all start from a full bucket
         args += ["--settle-ms", str(SETTLE_MS)]
+    if script == "fused_ops.py" and "--machine-cpu" not in bench_args:
+        args += ["--machine-cpu"]  # the two "hosts" share this machine's cores: what does communication cost them
     print(f"\n######## {desc}", flush=True)
     with TwoHosts(rate=rate) as hosts:
         results = run_torch_job(hosts, str(HERE / script), args, nproc_per_host=nproc, timeout=timeout)

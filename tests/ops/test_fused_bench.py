@@ -1,0 +1,50 @@
+"""bench/fused_ops.py runs end to end (every case family, tiny shapes, two timed rounds) on a 2-rank local
+mk world, prints its table and writes JSON in which every variant was timed. The benchmark is how the fused
+ops' speed is claimed, so a change that breaks it (a case factory, the baseline, the machine-CPU column)
+must fail here, not in the next measurement session. It asserts nothing about speed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.transport.world import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("fused", "unfused", "unfused_again", "compute", "comm", "both")
+
+
+def run_bench(tmp: Path, tag: str, families: str, shapes: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            str(ROOT / "bench" / "fused_ops.py"), "--families", families, "--shapes", shapes,
+            "--time", "0.01", "--min-iters", "2", "--max-iters", "2", "--machine-cpu",
+            "--out-dir", str(tmp), "--tag", tag]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "unwaited collective" not in proc.stderr, proc.stderr[-3000:]
+    assert "A/A =" in proc.stdout, proc.stdout[-3000:]
+    assert (tmp / f"fused-{tag}.png").stat().st_size > 0
+    return json.loads((tmp / f"fused-{tag}.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("families,shapes,ops", [
+    ("gemm,attention,train", "32x16x24,1x4x2x16x8",
+     {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "ring_attention"}),
+    ("moe", "64x16x24x2x2", {"moe_dispatch_gemm", "moe_combine"}),
+], ids=["gemm-attention-train", "moe"])
+def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[str]) -> None:
+    doc = run_bench(tmp_path, families.replace(",", "-"), families, shapes)
+    rows = doc["results"]
+    assert {r["family"] for r in rows} == set(families.split(",")), rows
+    assert {r["op"] for r in rows} == ops, rows
+    assert any("fwd+bwd" in r["shape"] for r in rows) == ("train" in families), rows
+    for r in rows:
+        for kind in KINDS:
+            assert r[f"{kind}_ms"] > 0, (r["op"], r["shape"], kind)
+            assert r[f"{kind}_cpu"] >= 0, (r["op"], r["shape"], kind)
+        assert r["iters"] == 2 and r["ideal_ms"] == max(r["compute_ms"], r["comm_ms"])
