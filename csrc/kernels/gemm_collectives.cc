@@ -242,16 +242,41 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}});
-  // (No product starts before the agreement here: computing this rank's own rows first splits the GEMM in
-  // two, which measured slower on one host than the exchange it would hide: 256^3 on 2 ranks 0.92-0.94x of
-  // unfused against 0.97-1.03x.)
-  const int64_t C = ga.chunks();
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
-  at::Tensor a = a_in.contiguous(), b = b_in;
+  at::Tensor a, b = b_in, c;
+  auto prepare = [&] {
+    a = a_in.contiguous();
+    c = at::empty({R * m, n}, a.options());
+  };
+  // Other backends on CPU (Gloo): the agreement is a collective of its own (an allgather of 384 B took
+  // 343 us on Gloo here, as long as a 256^3 product), so this rank's own rows are multiplied while it
+  // travels. Not on mk, where the agreement costs microseconds and splitting the GEMM in two measured slower
+  // than the exchange it would hide (one host, 256^3 on 2 ranks: 0.92-0.94x of unfused against 0.97-1.03x).
+  // Only when one chunk is planned: every rank then multiplies each rank's block with one GEMM of m rows,
+  // so the output is bitwise the same on every rank (with more chunks each block is multiplied chunk by
+  // chunk everywhere, and an early product of this rank's rows is redone that way).
+  const bool early_own = err.empty() && R > 1 && !g.is_mk() && a_in.device().is_cpu() && m > 0 && n > 0 &&
+                         ga.proposal() == 1;
+  if (early_own) {
+    prepare();
+    // The GEMM's rounding can depend on where its input starts (its kernels pick paths by alignment): the
+    // other ranks multiply this block from `gathered`, at byte offset r m k (element size) of a buffer
+    // aligned to 64, so this rank's copy of it starts at the same offset modulo 64.
+    const int64_t es = a.element_size(), lanes = 64 / es;
+    const int64_t skew = ((int64_t(r) * m * k * es) % 64) / es;
+    at::Tensor buf = at::empty({m * k + lanes}, a.options());
+    const int64_t shift = ((skew - int64_t(reinterpret_cast<uintptr_t>(buf.data_ptr()) % 64) / es) % lanes + lanes) % lanes;
+    at::Tensor src = buf.narrow(0, shift, m * k).view({m, k});
+    src.copy_(a);
+    at::Tensor own = c.narrow(0, r * m, m);
+    at::mm_out(own, src, b);
+  }
+  const int64_t C = ga.chunks();
+  if (!early_own) prepare();
+  const bool own_done = early_own && C == 1;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer)
   at::Tensor gathered = return_gathered ? at::empty({R * m, k}, a.options()) : scratch(R * m, k, a.options());
-  at::Tensor c = at::empty({R * m, n}, a.options());
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
   if (R > 1 && (!g.is_mk() || !p.over_tcp())) {
     // Other backends, and mk on one host: collectives. One chunk: one allgather of the shards into
@@ -281,7 +306,15 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     }
     if (C == 1) {
       p.on_caller([&] { return p.allgather(a, gathered); }).wait();
-      at::mm_out(c, gathered, b);
+      if (!own_done) {
+        at::mm_out(c, gathered, b);
+      } else {
+        for (int j = 0; j < R; ++j) {  // the other ranks' rows (this rank's are done)
+          if (j == r) continue;
+          at::Tensor dst = c.narrow(0, j * m, m);
+          at::mm_out(dst, gathered.narrow(0, j * m, m), b);
+        }
+      }
       return {c, return_gathered ? gathered : a.new_empty({0, k})};
     }
     std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -303,8 +336,10 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
       auto [lo, hi] = ranges[i];
       for (int j = 0; j < R; ++j) {
         at::Tensor src = parts[i].select(0, j);
-        at::Tensor dst = c.narrow(0, j * m + lo, hi - lo);
-        at::mm_out(dst, src, b);
+        if (!(own_done && j == r)) {
+          at::Tensor dst = c.narrow(0, j * m + lo, hi - lo);
+          at::mm_out(dst, src, b);
+        }
         if (return_gathered) gathered.narrow(0, j * m + lo, hi - lo).copy_(src);
       }
       parts[i] = at::Tensor();
