@@ -83,7 +83,7 @@ class GemmAgreement {
     std::vector<Field> fields{{"m", m}, {k_name, k, k_must_match}, {"n", n, n_must_match},
                               {"dtype", dtype_code(a.scalar_type())}};
     fields.insert(fields.end(), extra.begin(), extra.end());
-    fields.push_back({"SUPERKERNEL_OPS_IN_PLACE", int64_t(Pipeline::in_place_allowed()), true});
+    fields.push_back({"SUPERKERNEL_OPS_IN_PLACE", int64_t(p.in_place_allowed()), true});
     fields.push_back({"chunks", proposal_, false});
     for (const auto& f : extra) extra_ += c10::str(" ", f.name, "=", f.value);
     agreement_.emplace(p.start_agree(std::move(fields), err));

@@ -549,9 +549,12 @@ Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
   return backend_work(issue(), cat("mk ", op_, ": reduce_scatter").c_str(), -1, {in, out});
 }
 
-bool Pipeline::in_place_allowed() {
-  const char* v = std::getenv("SUPERKERNEL_OPS_IN_PLACE");  // read per call: a test flips it on one rank
-  return !(v && std::strcmp(v, "0") == 0);
+bool Pipeline::in_place_allowed() const {
+  if (in_place_env_ < 0) {  // read once per op call (not per process: a test flips it on one rank)
+    const char* v = std::getenv("SUPERKERNEL_OPS_IN_PLACE");
+    in_place_env_ = (v && std::strcmp(v, "0") == 0) ? 0 : 1;
+  }
+  return in_place_env_ == 1;
 }
 
 bool Pipeline::in_place_shm() const {

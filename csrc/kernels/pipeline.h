@@ -150,7 +150,7 @@ class Pipeline {
   bool in_place_shm() const;
   // SUPERKERNEL_OPS_IN_PLACE=0 turns the in-place paths off (a diagnostic). Ops that may take them put this
   // in their argument agreement, so ranks that disagree get an error, not different collectives.
-  static bool in_place_allowed();
+  bool in_place_allowed() const;
   // Run such a collective, moving `rows_per_chunk` rows per chunk, and wait for it (traced as "in place: N
   // rows per chunk"): `fn` drives the group's Comm itself, in the group's collective order (on this thread
   // when nothing else is queued; else after what is, on ProcessGroupMK's worker). The wait is bounded by the
@@ -249,6 +249,7 @@ class Pipeline {
   int64_t chunks_used_ = 0;
   static bool tracing();
   void emit_trace(const std::string& line) const;
+  mutable int8_t in_place_env_ = -1;  // SUPERKERNEL_OPS_IN_PLACE as this call read it (-1: not yet)
   bool inline_ = false;  // the next lane collective runs on the caller's thread (lane idle, nothing to overlap)
 };
 

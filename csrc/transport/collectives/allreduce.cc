@@ -61,9 +61,9 @@ void shm_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, const Op
   });
 }
 
-// One host: chunk [off, off + n) of every rank's block r is written by `fill(piece, r, off, n)` into piece r
-// of this rank's slot (pieces contiguous in block order, piece r at r * n elements, filled r = 0, 1, ...);
-// then each rank reduces its own block's pieces of every slot into out.
+// One host: chunk [off, off + n) of every rank's block is written by `fill(slot, off, n)` into this rank's
+// slot, laid out [R][n] (block r's piece at r * n elements); then each rank reduces its own block's pieces
+// of every slot into out.
 template <typename Fill>
 void shm_reduce_scatter_with(Comm& c, char* out, size_t count, DType t, RedOp op, const OpDesc& d,
                              const Deadline& dl, size_t per_chunk, Fill fill) {
@@ -74,10 +74,7 @@ void shm_reduce_scatter_with(Comm& c, char* out, size_t count, DType t, RedOp op
   std::vector<const void*> srcs(static_cast<size_t>(R));
   shm_chunks(
       c, d, dl, count, per_chunk, true,
-      [&](int slot, size_t off, size_t n) {
-        char* mine = s.slot(lme, slot);
-        for (int r = 0; r < R; ++r) fill(mine + size_t(r) * n * es, r, off, n);
-      },
+      [&](int slot, size_t off, size_t n) { fill(s.slot(lme, slot), off, n); },
       [&](int slot, size_t off, size_t n) {
         for (int r = 0; r < R; ++r) srcs[size_t(r)] = s.slot(r, slot) + size_t(me) * n * es;
         reduce_many(out + off * es, srcs.data(), R, n, t, op);
@@ -253,8 +250,8 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
   if (R == 1) {
     copy_bytes(dst, src, count * es);
   } else if (c.all_local()) {
-    shm_reduce_scatter_with(c, dst, count, t, op, d, dl, 0, [&](char* piece, int r, size_t off, size_t n) {
-      copy_bytes(piece, src + (size_t(r) * count + off) * es, n * es);
+    shm_reduce_scatter_with(c, dst, count, t, op, d, dl, 0, [&](char* slot, size_t off, size_t n) {
+      for (int r = 0; r < R; ++r) copy_bytes(slot + size_t(r) * n * es, src + (size_t(r) * count + off) * es, n * es);
     });
   } else if (is_half(t)) {
     std::vector<float> wide(count * size_t(R));
@@ -299,11 +296,9 @@ void shm_reduce_scatter_rows(Comm& c, void* out, size_t rows, size_t row_elems, 
   const size_t count = rows * row_elems;
   const OpDesc d{Kind::reduce_scatter, t, RedOp::sum, count, -1};
   c.next_seq();
-  // (shm_reduce_scatter_with fills a chunk's pieces one block at a time, in block order, contiguously: the
-  // whole chunk is produced at block 0)
   shm_reduce_scatter_with(c, static_cast<char*>(out), count, t, RedOp::sum, d, c.deadline(),
-                          rows_per_chunk * row_elems, [&](char* piece, int r, size_t off, size_t n) {
-                            if (r == 0) fill(piece, off / row_elems, n / row_elems);
+                          rows_per_chunk * row_elems, [&](char* slot, size_t off, size_t n) {
+                            fill(slot, off / row_elems, n / row_elems);
                           });
 }
 
