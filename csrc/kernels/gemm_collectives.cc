@@ -101,7 +101,8 @@ class GemmAgreement {
     const int64_t C = all_[0].back();
     p_.use_chunks(C);
     p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
-             requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_);
+             requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
+             agreement_->on_board() ? " agreement=board" : "");
     return C;
   }
 

@@ -5,10 +5,12 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <sstream>
 
+#include "kernels/agreement_board.h"
 #include "transport/comm.h"
 #include "transport/error.h"
 #include "transport/host.h"
@@ -65,9 +67,11 @@ std::string value_text(const char* field, int64_t v) {
 }
 
 // Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, host identity (hash),
+// where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers',
 // then the fields.
-constexpr int64_t kMagic = 0x6d6b616772656531;  // "mkagree1"
-constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8, kHead = 9;
+constexpr int64_t kMagic = 0x6d6b616772656532;  // "mkagree2"
+constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
+constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kHead = 13;
 constexpr size_t kWords = 48;
 constexpr size_t kMaxFields = kWords - kHead;
 // Message tag of every agreement (bit 60: fused-op agreements; bit 61: fused-op data, pipeline.cc; bit 62:
@@ -104,6 +108,8 @@ struct Agreement::State {
   uint64_t seq;
   bool done = false;
   bool same_host = false;
+  std::shared_ptr<AgreementBoard> board;  // non-mk backends: this group's board (null: none)
+  bool on_board = false;                  // the descriptors of this call travel on the board
   std::function<void(bool)> on_result;
   std::vector<int64_t> mine;   // kWords
   std::vector<int64_t> theirs; // size * kWords (rank q at q * kWords; own row unused on mk)
@@ -115,10 +121,13 @@ struct Agreement::State {
   c10::intrusive_ptr<c10d::Work> work;
 
   void finish_mk(bool quiet);
+  void receive_other();
+  void advance_board();
   std::vector<std::vector<int64_t>> check();
 };
 
-Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq)
+Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq,
+                     std::shared_ptr<AgreementBoard> board)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.g = g;
@@ -134,6 +143,13 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   s.mine[kCount] = int64_t(s.fields.size());
   s.mine[kOk] = s.local_error.empty() ? 1 : 0;
   s.mine[kHost] = host_hash();
+  if (board && !g.is_mk() && g.size > 1) {
+    s.board = std::move(board);
+    s.mine[kBoardPid] = s.board->pid();
+    s.mine[kBoardFd] = s.board->fd();
+    s.mine[kBoardToken] = s.board->token();
+    s.mine[kBoardMapped] = s.board->mapped() ? 1 : 0;
+  }
   for (size_t i = 0; i < s.fields.size(); ++i) s.mine[kHead + i] = s.fields[i].value;
   const int R = g.size;
   s.theirs.assign(size_t(R) * kWords, 0);
@@ -161,6 +177,11 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
     }
     return;
   }
+  if (s.board && s.board->active()) {
+    s.on_board = true;
+    s.board->publish(seq, s.mine.data());
+    return;
+  }
   auto opts = at::TensorOptions().dtype(at::kLong);
   s.in = at::from_blob(s.mine.data(), {int64_t(kWords)}, opts).to(g.device);
   s.outs.resize(1);
@@ -179,6 +200,8 @@ Agreement::Agreement(Agreement&&) noexcept = default;
 
 bool Agreement::same_host() const { return s_ && s_->same_host; }
 
+bool Agreement::on_board() const { return s_ && s_->on_board; }
+
 void Agreement::on_result(std::function<void(bool)> fn) { s_->on_result = std::move(fn); }
 
 Agreement::~Agreement() {
@@ -188,7 +211,9 @@ Agreement::~Agreement() {
     if (s_->g.is_mk()) {
       s_->finish_mk(true);
     } else if (s_->work) {
-      s_->work->wait(s_->g.timeout);
+      // The words still decide the board's state, as on every other rank (result() was not called here).
+      s_->receive_other();
+      s_->advance_board();
     }
   } catch (...) {
     // Unwinding after another error: the descriptors are consumed or the communicator was aborted.
@@ -224,22 +249,67 @@ std::vector<std::vector<int64_t>> Agreement::result() {
   if (s.g.size > 1) {
     if (s.g.is_mk()) {
       s.finish_mk(false);
+    } else if (s.on_board) {
+      const Deadline dl = Deadline::after(s.g.timeout);
+      for (int i = 1; i < s.g.size; ++i) {
+        const int q = (s.g.rank + i) % s.g.size;
+        try {
+          s.board->collect(q, s.seq, &s.theirs[size_t(q) * kWords], dl, s.op);
+        } catch (const Error& e) {
+          throw_backend(e.what());
+        }
+      }
     } else {
-      try {
-        s.work->wait(s.g.timeout);
-      } catch (const c10::Error& e) {
-        throw_backend(c10::str("mk ", s.op, ": rank ", s.g.rank, ": exchanging the argument descriptors with the ",
-                               s.g.size - 1, " other ranks failed: ", e.what_without_backtrace()));
-      }
-      for (int r = 0; r < s.g.size; ++r) {
-        at::Tensor t = s.outs[0][size_t(r)].cpu();
-        std::memcpy(&s.theirs[size_t(r) * kWords], t.data_ptr<int64_t>(), kWords * sizeof(int64_t));
-      }
+      s.receive_other();
+      s.advance_board();
     }
   }
   auto all = s.check();
   if (s.on_result) s.on_result(s.same_host);
   return all;
+}
+
+// Wait for the backend's allgather of the descriptors and copy them to `theirs`.
+void Agreement::State::receive_other() {
+  try {
+    work->wait(g.timeout);
+  } catch (const c10::Error& e) {
+    throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors with the ", g.size - 1,
+                           " other ranks failed: ", e.what_without_backtrace()));
+  }
+  for (int r = 0; r < g.size; ++r) {
+    at::Tensor t = outs[0][size_t(r)].cpu();
+    std::memcpy(&theirs[size_t(r) * kWords], t.data_ptr<int64_t>(), kWords * sizeof(int64_t));
+  }
+}
+
+// After a collective agreement, the next step of the board (agreement_board.h), decided from the exchanged
+// words only, which every rank holds alike (whether or not the arguments matched), so every rank takes the
+// same step at the same call: retire it unless every rank is on this host and offers a board; map the
+// peers' boards; once every rank said "mapped", use the board from the next call on.
+void Agreement::State::advance_board() {
+  if (!board || board->retired()) return;
+  const int R = g.size;
+  auto row = [&](int r) { return &theirs[size_t(r) * kWords]; };
+  bool offered = true, mapped = true;
+  for (int r = 0; r < R; ++r) {
+    offered = offered && row(r)[0] == kMagic && row(r)[kHost] == mine[kHost] && row(r)[kBoardToken] != 0;
+    mapped = mapped && row(r)[kBoardMapped] == 1;
+  }
+  if (!offered) {
+    board->retire();
+  } else if (mapped) {
+    board->activate();
+  } else if (!board->mapped()) {
+    const auto n = static_cast<size_t>(R);
+    std::vector<int64_t> pids(n), fds(n), tokens(n);
+    for (int r = 0; r < R; ++r) {
+      pids[size_t(r)] = row(r)[kBoardPid];
+      fds[size_t(r)] = row(r)[kBoardFd];
+      tokens[size_t(r)] = row(r)[kBoardToken];
+    }
+    if (!board->map_peers(pids, fds, tokens)) board->retire();  // (the others see no offer next time)
+  }
 }
 
 std::vector<std::vector<int64_t>> Agreement::State::check() {
@@ -276,6 +346,20 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   TORCH_CHECK(bad.tellp() == 0, "mk ", op, ": the ranks called it with different arguments (", bad.str(),
               "); every rank must pass matching shapes and dtypes (this is rank ", g.rank, " of ", R, ")");
   return all;
+}
+
+std::shared_ptr<AgreementBoard> new_agreement_board(const Group& g) {
+  if (g.is_mk() || g.size < 2) return nullptr;
+  static const bool wanted = [] {
+    const char* v = std::getenv("SUPERKERNEL_OPS_BOARD");
+    return !(v && std::string(v) == "0");
+  }();
+  if (!wanted) return nullptr;
+  try {
+    return std::make_shared<AgreementBoard>(g.rank, g.size, kWords);
+  } catch (const Error&) {
+    return nullptr;  // the agreement stays a collective of the backend
+  }
 }
 
 }  // namespace mk::kernels

@@ -23,6 +23,8 @@ class Comm;
 
 namespace mk::kernels {
 
+class AgreementBoard;
+
 struct Group {
   std::string name;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -55,7 +57,9 @@ struct Field {
 // anything that needs only its own, locally checked, arguments: the exchange then hides behind that work.
 //   mk      one small message to and from every other rank straight over the transport (tag space of its
 //           own, matched in call order per pair), so nothing waits for a collective to be scheduled;
-//   other   one asynchronous allgather of the descriptors on the backend.
+//   other   one asynchronous allgather of the descriptors on the backend; once every rank is known to be on
+//           this host and has mapped its peers' boards, the descriptors go through `board` instead (shared
+//           memory, agreement_board.h: microseconds instead of a collective of the backend).
 // result() throws on every rank, naming the op: with this rank's own error (`local_error`); "rank X rejected
 // its arguments"; the ranks are at different fused-op calls (another op name or call number: every rank must
 // call the same fused ops in the same order); or the must_match fields that differ, with each rank's value.
@@ -64,7 +68,8 @@ struct Field {
 // later calls on the group stay in step.
 class Agreement {
  public:
-  Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq);
+  Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq,
+            std::shared_ptr<AgreementBoard> board = nullptr);
   ~Agreement();
   Agreement(Agreement&&) noexcept;
   Agreement& operator=(Agreement&&) = delete;
@@ -72,6 +77,8 @@ class Agreement {
   Agreement& operator=(const Agreement&) = delete;
 
   std::vector<std::vector<int64_t>> result();
+  // The descriptors of this call travel on the group's agreement board (not as a collective).
+  bool on_board() const;
   // After result(): whether every rank of the group runs on this host (same host identity: hostname, boot id,
   // network namespace). Every rank gets the same answer.
   bool same_host() const;
@@ -83,6 +90,10 @@ class Agreement {
  private:
   std::unique_ptr<State> s_;
 };
+
+// This rank's agreement board for a group on a backend other than mk (null when SUPERKERNEL_OPS_BOARD=0 or
+// the segment cannot be created; the agreement then stays a collective of the backend).
+std::shared_ptr<AgreementBoard> new_agreement_board(const Group& g);
 
 // A dtype as a small integer for descriptors, and back to its name for messages.
 int64_t dtype_code(at::ScalarType t);

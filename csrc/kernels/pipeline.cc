@@ -19,6 +19,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kernels/agreement_board.h"
 #include "transport/comm.h"
 #include "transport/deadline.h"
 #include "transport/host.h"
@@ -48,6 +49,8 @@ struct GroupState {
   std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
+  std::shared_ptr<AgreementBoard> board;  // non-mk backends: the agreement board (group.h), once created
+  bool board_tried = false;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
 };
@@ -305,7 +308,18 @@ std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, con
 }
 
 Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error) {
-  Agreement a(g_, op_, std::move(fields), local_error, seq_);
+  std::shared_ptr<AgreementBoard> board;
+  if (!g_.is_mk() && g_.size > 1) {
+    std::lock_guard<std::mutex> lock(states_mu());
+    auto& st = state_of(g_);
+    if (!st.board_tried) {
+      st.board_tried = true;
+      st.board = new_agreement_board(g_);
+    }
+    if (st.board && st.board->retired()) st.board.reset();
+    board = st.board;
+  }
+  Agreement a(g_, op_, std::move(fields), local_error, seq_, std::move(board));
   if (!g_.is_mk()) {  // what the group's layout is, for one_host() of later calls (mk knows its transports)
     auto key = key_of(g_);
     a.on_result([key](bool same) {

@@ -1,0 +1,89 @@
+"""Runs inside every rank of a Gloo world on one host: the fused ops' argument agreement on the shared-memory
+board (csrc/kernels/agreement_board.h) once the first agreements have set it up.
+
+``--mode agree``: six gemm_allreduce calls checked against float64; then shapes that differ between ranks,
+then ranks at different ops (rank 0 calls allgather_gemm, the others gemm_allreduce), each of which must
+raise on every rank; then a correct call again (the group stays usable). ``--mode timeout`` / ``cancel`` /
+``exit``: after the board is in use, rank 0 calls the op while rank 1 does not: the group's 2 s timeout, an
+interrupt (cancel_waits from another thread) or rank 1's exit must end rank 0's wait with an error naming
+the op. The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls used the board. Prints one
+REPORT line per rank."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import superkernel.ops as mk
+from superkernel.backend import cancel_waits
+
+WARM_CALLS = 6
+
+
+def product_sum(world: int, m: int, k: int, n: int) -> torch.Tensor:
+    """The float64 reference of gemm_allreduce when rank r passes a = full(r + 1), b = full(1)."""
+    return torch.full((m, n), float(k * sum(r + 1 for r in range(world))), dtype=torch.float64)
+
+
+def call(rank: int, m: int = 8, k: int = 4, n: int = 5) -> torch.Tensor:
+    return mk.gemm_allreduce(torch.full((m, k), float(rank + 1)), torch.ones(k, n))
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["agree", "timeout", "cancel", "exit"], default="agree")
+    args = ap.parse_args()
+    timeout = 2 if args.mode == "timeout" else 60
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report: dict = {"rank": rank, "wrong": []}
+    for i in range(WARM_CALLS):
+        got = call(rank)
+        if not torch.equal(got.double(), product_sum(world, 8, 4, 5)):
+            report["wrong"].append(i)
+    if args.mode == "agree":
+        report["shape_error"] = error_of(lambda: call(rank, m=8 + rank))
+        if rank == 0:
+            report["order_error"] = error_of(lambda: mk.allgather_gemm(torch.ones(8, 4), torch.ones(4, 5)))
+        else:
+            report["order_error"] = error_of(lambda: call(rank))
+        got = call(rank, m=3, k=1, n=7)
+        report["after_ok"] = bool(torch.equal(got.double(), product_sum(world, 3, 1, 7)))
+        dist.barrier()
+    elif rank == 0:
+        dist.barrier()
+        if args.mode == "cancel":
+            threading.Timer(1.0, cancel_waits).start()
+        t0 = time.monotonic()
+        report["error"] = error_of(lambda: call(rank))
+        report["seconds"] = time.monotonic() - t0
+    else:
+        dist.barrier()
+        if args.mode == "exit":
+            time.sleep(0.5)
+            sys.stdout.write("REPORT " + json.dumps(report) + "\n")
+            sys.stdout.flush()
+            os._exit(0)
+        time.sleep(timeout + 3 if args.mode == "timeout" else 4)
+    sys.stdout.write("REPORT " + json.dumps(report) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # a peer may be gone or stuck by design: skip the orderly shutdown
+
+
+if __name__ == "__main__":
+    main()

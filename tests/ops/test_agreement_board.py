@@ -1,0 +1,73 @@
+"""The fused ops' argument agreement on Gloo groups whose ranks share this host: after the first agreements
+(collectives of Gloo that also set the board up) the descriptors travel through shared memory
+(csrc/kernels/agreement_board.h). Checked here: it switches on at the same call on every rank, the results
+stay right, mismatched shapes and mismatched ops still raise on every rank, a rank that stays away ends the
+wait by the group timeout, by an interrupt or by its exit, and a rank that refuses the board
+(SUPERKERNEL_OPS_BOARD=0) keeps the whole group on the collective."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.ops.ops_world import HERE
+from tests.transport.world import RankResult, run_world
+
+SCRIPT = str(HERE / "board_world.py")
+TRACE = {"SUPERKERNEL_OPS_TRACE": "1"}
+
+
+def board_calls(res: RankResult) -> tuple[list[int], list[int]]:
+    """Call numbers of this rank's GEMM-op calls whose agreement used the board, and of those that did not."""
+    on, off = [], []
+    for call, rest in re.findall(r"\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call (\d+)\] "
+                                 r"(m=.*)", res.stderr):
+        (on if "agreement=board" in rest else off).append(int(call))
+    return on, off
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_board_in_use_and_errors_on_every_rank(world: int) -> None:
+    results = run_world(world, SCRIPT, ["--mode", "agree"], timeout=120, env=TRACE)
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank}: exit {res.returncode}\n{res.stderr[-3000:]}"
+        rep = res.report()
+        assert rep["wrong"] == [], f"rank {res.rank}: wrong results at calls {rep['wrong']}"
+        on, off = board_calls(res)
+        # calls 0 and 1 travel as Gloo collectives (addresses, then "mapped"); from call 2 on, the board
+        assert off == [0, 1] and on and min(on) == 2, f"rank {res.rank}: board calls {on}, collective calls {off}"
+        shape = rep["shape_error"]
+        assert shape and "gemm_allreduce" in shape and "m differs" in shape, f"rank {res.rank}: {shape}"
+        order = rep["order_error"]
+        assert order and "different fused-op calls" in order, f"rank {res.rank}: {order}"
+        assert rep["after_ok"], f"rank {res.rank}: the call after the errors returned a wrong result"
+
+
+def test_one_rank_refusing_the_board_keeps_the_collective() -> None:
+    results = run_world(2, SCRIPT, ["--mode", "agree"], timeout=120, env=TRACE,
+                        per_rank_env={1: {"SUPERKERNEL_OPS_BOARD": "0"}})
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank}: exit {res.returncode}\n{res.stderr[-3000:]}"
+        rep = res.report()
+        assert rep["wrong"] == [] and rep["after_ok"], rep
+        on, off = board_calls(res)
+        assert not on and len(off) >= 6, f"rank {res.rank}: board calls {on}"
+        assert rep["shape_error"] and "m differs" in rep["shape_error"], rep
+
+
+@pytest.mark.parametrize("mode", ["timeout", "cancel", "exit"])
+def test_wait_on_the_board_ends(mode: str) -> None:
+    """Rank 0 calls gemm_allreduce with the board in use, rank 1 does not: the 2 s group timeout, an interrupt
+    after 1 s, or rank 1's exit ends rank 0's wait with an error naming the op."""
+    results = run_world(2, SCRIPT, ["--mode", mode], timeout=90, env=TRACE)
+    rep = results[0].report()
+    assert rep["wrong"] == [], rep
+    assert board_calls(results[0])[0], "the board was never used"
+    err = rep["error"]
+    assert err and "gemm_allreduce" in err and "rank 1" in err, rep
+    if mode == "timeout":
+        assert "timed out" in err and 1.5 <= rep["seconds"] <= 15, rep
+    elif mode == "cancel":
+        assert "interrupt" in err and rep["seconds"] <= 10, rep
+    else:
+        assert "exited" in err and rep["seconds"] <= 10, rep
