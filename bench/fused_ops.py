@@ -14,8 +14,8 @@ communication's CPU work, the kernel's network stack included, slows the computa
 any pipelining can do. Columns: op, shape, fused ms, unfused ms, speedup (unfused / fused), ideal ms,
 fused/ideal, both ms, fused/both; the detail adds A/A, the unfused composition against itself timed in a
 second slot (the noise a speedup must exceed). The six variants of a case are interleaved, one call each per
-round; each call starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides)
-and the table shows the median over the rounds. Each row's detail also gives the median minor page faults
+round, in a new random order every round; each call starts after a barrier; a call's time is the maximum
+over ranks (the slowest rank decides) and the table shows the median over the rounds. Each row's detail also gives the median minor page faults
 per call of the fused and unfused variants (the maximum over ranks; whole process). Results go to
 bench/results/fused-<tag>.json and .png.
 
@@ -31,6 +31,7 @@ import importlib
 import json
 import os
 import platform
+import random
 import resource
 import sys
 import threading
@@ -111,9 +112,12 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     """Median per-call seconds of each variant and the iteration count (the same on every rank).
 
     The variants are interleaved (one call of each per round), so drifting load from other processes on this
-    shared VM hits them alike, and each round starts one variant later than the previous one: the first call
-    after the previous round's last variant measured 30-60 us slower at 256^3 (allgather_gemm on 2 ranks,
-    same op in two slots of one round), and a fixed order would charge that to one variant. Every call
+    shared VM hits them alike, and every round runs them in a new order (a permutation seeded by the round
+    number, the same on every rank). A call's time depends on the call before it: the first call after the
+    previous round's last variant measured 30-60 us slower at 256^3 (allgather_gemm on 2 ranks, same op in
+    two slots of one round). A fixed order, even rotated each round, gives every variant the same
+    predecessor (fused always ran after "both", whose communication runs on a helper thread); a random one
+    spreads whatever the predecessor costs over every variant. Every call
     starts after a barrier; a call's time is the maximum over ranks; the median over rounds, not the mean,
     since other processes add a long tail to some calls. ``settle`` seconds of idle link (untimed) precede
     every call: over a ``tc tbf`` link the shaper's token bucket then refills, so each variant starts from
@@ -140,7 +144,8 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     busy = torch.zeros(len(fns), iters, dtype=torch.float64)
     order = list(enumerate(fns.values()))
     for i in range(iters):
-        for j, fn in order[i % len(order):] + order[:i % len(order)]:
+        random.Random(i).shuffle(order)  # seeded by the round: every rank runs the same order
+        for j, fn in order:
             if settle > 0:
                 time.sleep(settle)
             _barrier(dist)
