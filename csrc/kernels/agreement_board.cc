@@ -169,7 +169,8 @@ void AgreementBoard::publish(uint64_t seq, const int64_t* words) {
   if (h->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&h->word);
 }
 
-void AgreementBoard::collect(int q, uint64_t seq, int64_t* out, const Deadline& deadline, const char* op) const {
+void AgreementBoard::collect(int q, uint64_t seq, int64_t* out, const Deadline& deadline, const char* op,
+                             const std::function<void()>& check) const {
   const Segment& s = *peers_.at(size_t(q));
   Header* h = s.header();
   SlotHead* slot = s.slot(seq);
@@ -196,6 +197,7 @@ void AgreementBoard::collect(int q, uint64_t seq, int64_t* out, const Deadline& 
     if (dead && !ready())
       throw PeerError(cat("mk ", op, ": rank ", rank_, ": rank ", q, " (pid ", h->pid,
                           ", same host) exited before sending its argument descriptor"));
+    if (check) check();
     h->sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t w = h->word.load(std::memory_order_seq_cst);
     if (!ready()) futex_wait(&h->word, w, std::chrono::microseconds(5000));

@@ -1,28 +1,32 @@
-// A shared-memory board for the fused ops' argument agreement on backends other than mk (Gloo, NCCL) when
-// every rank of the group runs on this host.
+// A shared-memory board for the fused ops' argument agreement when every rank of the group runs on this
+// host, on any backend.
 //
-// There the agreement would otherwise be one more collective of the backend per op call: a Gloo allgather of
-// 384 B took 270-340 us on 2 ranks of this 2-core VM (its worker thread and TCP loopback), as long as a 256^3
-// product, and on NCCL it would copy the descriptor to the device and back (a stream synchronisation every
-// call). On the board each rank writes its descriptor into a small segment of its own and reads its peers'.
+// Elsewhere the agreement is one more exchange per op call. On Gloo a collective of its own: an allgather of
+// 384 B took 270-340 us on 2 ranks of this 2-core VM (its worker thread and TCP loopback), as long as a
+// 256^3 product; on NCCL it would copy the descriptor to the device and back (a stream synchronisation every
+// call). On mk it is one point-to-point message to and from each peer through the shm rings (a fused call
+// after a barrier took 8.7 us median, 16.8 us p90 with them; 7.1 and 8.6 us on the board). On the board each
+// rank writes its descriptor into a small segment of its own and reads its peers'.
 //
 // Each rank owns one segment: a memfd (nothing is ever left in /dev/shm), which its peers map through
 // /proc/<pid>/fd/<fd>, as the shm transport does (transport/providers/shm.cc). It holds two descriptor slots,
 // used by call number parity: a rank writes call s's descriptor only after its agreement of call s-1 saw
 // every peer's, and a peer writes that one only after it has read call s-2's, so a slot is never rewritten
 // while a peer still needs it. Waits spin briefly, then sleep on a futex word in the writer's segment, and
-// look at the deadline, interrupts (cancel_all) and the writer's liveness (a pidfd) every 5 ms.
+// look at the deadline, interrupts (cancel_all), the writer's liveness (a pidfd) and, on mk, whether either
+// communicator was aborted, every 5 ms.
 //
-// How a group gets there (Pipeline::start_agree and Agreement): the first agreements still travel as the
-// backend's collective and carry each rank's segment address (pid, fd, a random token); once one of them
-// shows every rank on this host, each rank maps its peers' segments; the next carries "mapped" from every
-// rank, and from the call after that on, every rank uses the board. Every rank decides from the same
-// exchanged words, so they switch at the same call; a rank that cannot map a segment (no ptrace access to
-// /proc/<pid>/fd, SUPERKERNEL_OPS_BOARD=0) never says "mapped", and the group stays on the collective.
+// How a group gets there (Pipeline::start_agree and Agreement): the first agreements still travel the usual
+// way and carry each rank's segment address (pid, fd, a random token); once one of them shows every rank on
+// this host, each rank maps its peers' segments; the next carries "mapped" from every rank, and from the
+// call after that on, every rank uses the board. Every rank decides from the same exchanged words, so they
+// switch at the same call; a rank that cannot map a segment (no ptrace access to /proc/<pid>/fd,
+// SUPERKERNEL_OPS_BOARD=0) never says "mapped", and the group keeps the usual exchange.
 #pragma once
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -59,8 +63,10 @@ class AgreementBoard {
   // Write this rank's descriptor of call `seq` (words() values) and wake the peers waiting for it.
   void publish(uint64_t seq, const int64_t* words);
   // Wait for rank q's descriptor of call `seq` and copy it to `out`. Throws mk::TimeoutError,
-  // mk::CancelledError (an interrupt) or mk::PeerError (rank q exited), naming `op` and both ranks.
-  void collect(int q, uint64_t seq, int64_t* out, const Deadline& deadline, const char* op) const;
+  // mk::CancelledError (an interrupt) or mk::PeerError (rank q exited), naming `op` and both ranks. `check`,
+  // when given, runs before each sleep and may throw too (on mk: a communicator aborted here or by rank q).
+  void collect(int q, uint64_t seq, int64_t* out, const Deadline& deadline, const char* op,
+               const std::function<void()>& check = {}) const;
 
   size_t words() const { return words_; }
 

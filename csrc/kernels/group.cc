@@ -15,6 +15,7 @@
 #include "transport/error.h"
 #include "transport/host.h"
 #include "transport/process_group.h"
+#include "transport/providers/shm.h"
 
 namespace mk::kernels {
 
@@ -120,7 +121,7 @@ struct Agreement::State {
   std::vector<std::vector<at::Tensor>> outs;
   c10::intrusive_ptr<c10d::Work> work;
 
-  void finish_mk(bool quiet);
+  bool finish_mk(bool quiet);  // false: the exchange failed (quiet: the communicator was aborted)
   void receive_other();
   void advance_board();
   std::vector<std::vector<int64_t>> check();
@@ -143,7 +144,7 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   s.mine[kCount] = int64_t(s.fields.size());
   s.mine[kOk] = s.local_error.empty() ? 1 : 0;
   s.mine[kHost] = host_hash();
-  if (board && !g.is_mk() && g.size > 1) {
+  if (board && g.size > 1) {
     s.board = std::move(board);
     s.mine[kBoardPid] = s.board->pid();
     s.mine[kBoardFd] = s.board->fd();
@@ -155,6 +156,19 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   s.theirs.assign(size_t(R) * kWords, 0);
   std::copy(s.mine.begin(), s.mine.end(), s.theirs.begin() + ptrdiff_t(size_t(g.rank) * kWords));
   if (R == 1) return;
+  if (s.board && s.board->active()) {
+    if (g.is_mk()) {
+      try {
+        g.comm().check_usable(op);
+      } catch (const Error& e) {
+        s.done = true;
+        throw_backend(e.what());
+      }
+    }
+    s.on_board = true;
+    s.board->publish(seq, s.mine.data());
+    return;
+  }
   if (g.is_mk()) {
     Comm& comm = g.comm();
     s.sends.resize(size_t(R));
@@ -175,11 +189,6 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
       comm.abort(e.what());
       throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": sending the argument descriptor failed: ", e.what()));
     }
-    return;
-  }
-  if (s.board && s.board->active()) {
-    s.on_board = true;
-    s.board->publish(seq, s.mine.data());
     return;
   }
   auto opts = at::TensorOptions().dtype(at::kLong);
@@ -208,8 +217,10 @@ Agreement::~Agreement() {
   if (!s_ || s_->done) return;
   s_->done = true;
   try {
-    if (s_->g.is_mk()) {
-      s_->finish_mk(true);
+    if (s_->on_board) {
+      // nothing to consume: a peer rewrites this call's slot only after it has seen every rank's next one
+    } else if (s_->g.is_mk()) {
+      if (s_->finish_mk(true)) s_->advance_board();
     } else if (s_->work) {
       // The words still decide the board's state, as on every other rank (result() was not called here).
       s_->receive_other();
@@ -222,7 +233,7 @@ Agreement::~Agreement() {
 
 // Wait for every descriptor (mk). A transport failure (timeout, a peer gone, an interrupt) leaves the pairs
 // out of step, so the communicator is aborted, as for any torn exchange.
-void Agreement::State::finish_mk(bool quiet) {
+bool Agreement::State::finish_mk(bool quiet) {
   Comm& comm = g.comm();
   const Deadline dl = Deadline::after(g.timeout);
   const std::string what = c10::str(op, " (argument agreement)");
@@ -235,11 +246,12 @@ void Agreement::State::finish_mk(bool quiet) {
         for (auto& x : recvs)
           if (x && !x->test()) comm.matcher().cancel(x, e.what());
         comm.abort(e.what());
-        if (quiet) return;
+        if (quiet) return false;
         throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors failed: ", e.what()));
       }
     }
   }
+  return true;
 }
 
 std::vector<std::vector<int64_t>> Agreement::result() {
@@ -247,18 +259,25 @@ std::vector<std::vector<int64_t>> Agreement::result() {
   State& s = *s_;
   s.done = true;
   if (s.g.size > 1) {
-    if (s.g.is_mk()) {
-      s.finish_mk(false);
-    } else if (s.on_board) {
+    if (s.on_board) {
       const Deadline dl = Deadline::after(s.g.timeout);
       for (int i = 1; i < s.g.size; ++i) {
         const int q = (s.g.rank + i) % s.g.size;
+        std::function<void()> usable;
+        if (s.g.is_mk() && s.g.comm().shm())
+          usable = [&s, q] {
+            s.g.comm().check_usable(s.op);
+            s.g.comm().shm()->check_peer_usable(q, s.op);
+          };
         try {
-          s.board->collect(q, s.seq, &s.theirs[size_t(q) * kWords], dl, s.op);
+          s.board->collect(q, s.seq, &s.theirs[size_t(q) * kWords], dl, s.op, usable);
         } catch (const Error& e) {
           throw_backend(e.what());
         }
       }
+    } else if (s.g.is_mk()) {
+      s.finish_mk(false);
+      s.advance_board();
     } else {
       s.receive_other();
       s.advance_board();
@@ -349,7 +368,7 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
 }
 
 std::shared_ptr<AgreementBoard> new_agreement_board(const Group& g) {
-  if (g.is_mk() || g.size < 2) return nullptr;
+  if (g.size < 2 || (g.is_mk() && !g.comm().all_local())) return nullptr;
   static const bool wanted = [] {
     const char* v = std::getenv("SUPERKERNEL_OPS_BOARD");
     return !(v && std::string(v) == "0");

@@ -57,9 +57,9 @@ struct Field {
 // anything that needs only its own, locally checked, arguments: the exchange then hides behind that work.
 //   mk      one small message to and from every other rank straight over the transport (tag space of its
 //           own, matched in call order per pair), so nothing waits for a collective to be scheduled;
-//   other   one asynchronous allgather of the descriptors on the backend; once every rank is known to be on
-//           this host and has mapped its peers' boards, the descriptors go through `board` instead (shared
-//           memory, agreement_board.h: microseconds instead of a collective of the backend).
+//   other   one asynchronous allgather of the descriptors on the backend;
+//   board   on either, once every rank is known to be on this host and has mapped its peers' boards: the
+//           descriptors go through `board` (shared memory, agreement_board.h).
 // result() throws on every rank, naming the op: with this rank's own error (`local_error`); "rank X rejected
 // its arguments"; the ranks are at different fused-op calls (another op name or call number: every rank must
 // call the same fused ops in the same order); or the must_match fields that differ, with each rank's value.
@@ -91,8 +91,8 @@ class Agreement {
   std::unique_ptr<State> s_;
 };
 
-// This rank's agreement board for a group on a backend other than mk (null when SUPERKERNEL_OPS_BOARD=0 or
-// the segment cannot be created; the agreement then stays a collective of the backend).
+// This rank's agreement board for g (null for an mk group that spans hosts, when SUPERKERNEL_OPS_BOARD=0, or
+// when the segment cannot be created: the agreement then keeps its usual exchange).
 std::shared_ptr<AgreementBoard> new_agreement_board(const Group& g);
 
 // A dtype as a small integer for descriptors, and back to its name for messages.

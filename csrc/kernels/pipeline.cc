@@ -49,7 +49,7 @@ struct GroupState {
   std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
-  std::shared_ptr<AgreementBoard> board;  // non-mk backends: the agreement board (group.h), once created
+  std::shared_ptr<AgreementBoard> board;  // the agreement board (group.h, agreement_board.h), once created
   bool board_tried = false;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
@@ -309,7 +309,7 @@ std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, con
 
 Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error) {
   std::shared_ptr<AgreementBoard> board;
-  if (!g_.is_mk() && g_.size > 1) {
+  if (g_.size > 1) {
     std::lock_guard<std::mutex> lock(states_mu());
     auto& st = state_of(g_);
     if (!st.board_tried) {

@@ -1,5 +1,6 @@
-"""Runs inside every rank of a Gloo world on one host: the fused ops' argument agreement on the shared-memory
-board (csrc/kernels/agreement_board.h) once the first agreements have set it up.
+"""Runs inside every rank of a world on one host (Gloo, or mk with ``--backend mk``): the fused ops' argument
+agreement on the shared-memory board (csrc/kernels/agreement_board.h) once the first agreements have set it
+up.
 
 ``--mode agree``: six gemm_allreduce calls checked against float64; then shapes that differ between ranks,
 then ranks at different ops (rank 0 calls allgather_gemm, the others gemm_allreduce), each of which must
@@ -47,9 +48,12 @@ def error_of(fn) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["agree", "timeout", "cancel", "exit"], default="agree")
+    ap.add_argument("--backend", choices=["gloo", "mk"], default="gloo")
     args = ap.parse_args()
     timeout = 2 if args.mode == "timeout" else 60
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    if args.backend == "mk":
+        import superkernel  # noqa: F401  (registers the mk backend)
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     report: dict = {"rank": rank, "wrong": []}
     for i in range(WARM_CALLS):

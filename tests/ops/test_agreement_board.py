@@ -1,5 +1,6 @@
-"""The fused ops' argument agreement on Gloo groups whose ranks share this host: after the first agreements
-(collectives of Gloo that also set the board up) the descriptors travel through shared memory
+"""The fused ops' argument agreement on groups whose ranks share this host, on Gloo and on mk: after the first
+agreements (a collective of Gloo, or mk's point-to-point messages, that also set the board up) the
+descriptors travel through shared memory
 (csrc/kernels/agreement_board.h). Checked here: it switches on at the same call on every rank, the results
 stay right, mismatched shapes and mismatched ops still raise on every rank, a rank that stays away ends the
 wait by the group timeout, by an interrupt or by its exit, and a rank that refuses the board
@@ -26,9 +27,13 @@ def board_calls(res: RankResult) -> tuple[list[int], list[int]]:
     return on, off
 
 
+BACKENDS = ["gloo", "mk"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world", [2, 3])
-def test_board_in_use_and_errors_on_every_rank(world: int) -> None:
-    results = run_world(world, SCRIPT, ["--mode", "agree"], timeout=120, env=TRACE)
+def test_board_in_use_and_errors_on_every_rank(world: int, backend: str) -> None:
+    results = run_world(world, SCRIPT, ["--mode", "agree", "--backend", backend], timeout=120, env=TRACE)
     for res in results:
         assert res.returncode == 0, f"rank {res.rank}: exit {res.returncode}\n{res.stderr[-3000:]}"
         rep = res.report()
@@ -43,8 +48,9 @@ def test_board_in_use_and_errors_on_every_rank(world: int) -> None:
         assert rep["after_ok"], f"rank {res.rank}: the call after the errors returned a wrong result"
 
 
-def test_one_rank_refusing_the_board_keeps_the_collective() -> None:
-    results = run_world(2, SCRIPT, ["--mode", "agree"], timeout=120, env=TRACE,
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_rank_refusing_the_board_keeps_the_collective(backend: str) -> None:
+    results = run_world(2, SCRIPT, ["--mode", "agree", "--backend", backend], timeout=120, env=TRACE,
                         per_rank_env={1: {"SUPERKERNEL_OPS_BOARD": "0"}})
     for res in results:
         assert res.returncode == 0, f"rank {res.rank}: exit {res.returncode}\n{res.stderr[-3000:]}"
@@ -55,11 +61,12 @@ def test_one_rank_refusing_the_board_keeps_the_collective() -> None:
         assert rep["shape_error"] and "m differs" in rep["shape_error"], rep
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["timeout", "cancel", "exit"])
-def test_wait_on_the_board_ends(mode: str) -> None:
+def test_wait_on_the_board_ends(mode: str, backend: str) -> None:
     """Rank 0 calls gemm_allreduce with the board in use, rank 1 does not: the 2 s group timeout, an interrupt
     after 1 s, or rank 1's exit ends rank 0's wait with an error naming the op."""
-    results = run_world(2, SCRIPT, ["--mode", mode], timeout=90, env=TRACE)
+    results = run_world(2, SCRIPT, ["--mode", mode, "--backend", backend], timeout=90, env=TRACE)
     rep = results[0].report()
     assert rep["wrong"] == [], rep
     assert board_calls(results[0])[0], "the board was never used"

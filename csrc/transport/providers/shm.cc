@@ -246,6 +246,12 @@ uint64_t ShmProvider::publish() {
   return v;
 }
 
+void ShmProvider::check_peer_usable(int peer, const char* op) {
+  const auto it = std::find(locals_.begin(), locals_.end(), peer);
+  if (it == locals_.end() || *it == rank_) throw Error(cat("mk ", op, ": rank ", rank_, ": rank ", peer, " is not a peer on this host"));
+  check_peer(int(it - locals_.begin()), op);
+}
+
 void ShmProvider::check_peer(int j, const char* op) {
   if (aborted_.load()) {
     std::lock_guard<std::mutex> lock(abort_mu_);

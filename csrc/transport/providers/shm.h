@@ -59,6 +59,9 @@ class ShmProvider final : public Provider {
   std::shared_ptr<void> sleep(int peer);
   // One non-blocking pass: drain what `peer` (kAnySource: every peer) wrote, push our queued sends to it.
   void poll(int peer);
+  // Throws PeerError when this communicator or `peer`'s was aborted, or `peer` (a global rank on this host)
+  // exited: for waits outside the transport (the fused ops' agreement board) that must end as its own do.
+  void check_peer_usable(int peer, const char* op);
 
   // ---- the collectives' view (called by one thread at a time: the group's worker) ----
   int local_rank() const { return me_; }
