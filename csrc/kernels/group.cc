@@ -109,7 +109,7 @@ struct Agreement::State {
   uint64_t seq;
   bool done = false;
   bool same_host = false;
-  std::shared_ptr<AgreementBoard> board;  // non-mk backends: this group's board (null: none)
+  std::shared_ptr<AgreementBoard> board;  // this group's agreement board (null: none)
   bool on_board = false;                  // the descriptors of this call travel on the board
   std::function<void(bool)> on_result;
   std::vector<int64_t> mine;   // kWords

@@ -66,9 +66,19 @@ std::map<std::pair<std::string, const void*>, GroupState>& states() {
 std::pair<std::string, const void*> key_of(const Group& g) { return {g.name, g.backend.get()}; }
 
 // The state of g's backend (caller holds states_mu()). A destroyed group's entry is reset when a new backend
-// reuses its name and address, so a re-created group starts counting op calls from 0 on every rank.
+// reuses its name and address, so a re-created group starts counting op calls from 0 on every rank. The
+// entries of other destroyed groups are dropped on the way: their agreement boards hold a memfd and a pidfd
+// per peer, which a program that creates and destroys groups in a loop would otherwise run out of.
 GroupState& state_of(const Group& g) {
-  auto& s = states()[key_of(g)];
+  const auto key = key_of(g);
+  auto& all = states();
+  for (auto it = all.begin(); it != all.end();) {
+    if (it->first != key && it->second.backend.expired())
+      it = all.erase(it);
+    else
+      ++it;
+  }
+  auto& s = all[key];
   if (s.backend.lock().get() != g.backend.get()) {
     s = GroupState();
     s.backend = c10::weak_intrusive_ptr<c10d::Backend>(g.backend);

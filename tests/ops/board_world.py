@@ -7,7 +7,9 @@ then ranks at different ops (rank 0 calls allgather_gemm, the others gemm_allred
 raise on every rank; then a correct call again (the group stays usable). ``--mode timeout`` / ``cancel`` /
 ``exit``: after the board is in use, rank 0 calls the op while rank 1 does not: the group's 2 s timeout, an
 interrupt (cancel_waits from another thread) or rank 1's exit must end rank 0's wait with an error naming
-the op. The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls used the board. Prints one
+the op. ``--mode groups``: 30 times a new group, enough fused calls on it to use the board, and its
+destruction; the open file descriptors are counted after each round (a destroyed group's board must not
+keep its memfd and pidfds). The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls used the board. Prints one
 REPORT line per rank."""
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def error_of(fn) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["agree", "timeout", "cancel", "exit"], default="agree")
+    ap.add_argument("--mode", choices=["agree", "timeout", "cancel", "exit", "groups"], default="agree")
     ap.add_argument("--backend", choices=["gloo", "mk"], default="gloo")
     args = ap.parse_args()
     timeout = 2 if args.mode == "timeout" else 60
@@ -60,7 +62,21 @@ def main() -> None:
         got = call(rank)
         if not torch.equal(got.double(), product_sum(world, 8, 4, 5)):
             report["wrong"].append(i)
-    if args.mode == "agree":
+    if args.mode == "groups":
+        import gc
+
+        fds = []
+        for _ in range(30):
+            pg = dist.new_group(backend=args.backend)
+            for _ in range(WARM_CALLS):
+                mk.gemm_allreduce(torch.full((8, 4), float(rank + 1)), torch.ones(4, 5), pg)
+            dist.destroy_process_group(pg)
+            del pg
+            gc.collect()
+            fds.append(len(os.listdir("/proc/self/fd")))
+        report["fds"] = fds
+        dist.barrier()
+    elif args.mode == "agree":
         report["shape_error"] = error_of(lambda: call(rank, m=8 + rank))
         if rank == 0:
             report["order_error"] = error_of(lambda: mk.allgather_gemm(torch.ones(8, 4), torch.ones(4, 5)))

@@ -78,3 +78,15 @@ def test_wait_on_the_board_ends(mode: str, backend: str) -> None:
         assert "interrupt" in err and rep["seconds"] <= 10, rep
     else:
         assert "exited" in err and rep["seconds"] <= 10, rep
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_destroyed_groups_release_their_boards(backend: str) -> None:
+    """30 groups created, used past the board's set-up and destroyed: the open descriptors stay flat (each
+    board holds a memfd and a pidfd per peer until its group's state is dropped)."""
+    results = run_world(2, SCRIPT, ["--mode", "groups", "--backend", backend], timeout=300, env=TRACE)
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank}: exit {res.returncode}\n{res.stderr[-3000:]}"
+        assert board_calls(res)[0], f"rank {res.rank}: the board was never used"
+        fds = res.report()["fds"]
+        assert fds[-1] - fds[4] <= 4, f"rank {res.rank}: open descriptors per round {fds}"
