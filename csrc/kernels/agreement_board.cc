@@ -1,9 +1,7 @@
 #include "kernels/agreement_board.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <sched.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -16,6 +14,7 @@
 
 #include "transport/error.h"
 #include "transport/futex.h"
+#include "transport/host.h"
 
 namespace mk::kernels {
 
@@ -38,16 +37,6 @@ struct alignas(64) SlotHead {
 
 size_t slot_bytes(size_t words) { return sizeof(SlotHead) + words * sizeof(int64_t); }
 size_t total_bytes(size_t words) { return (sizeof(Header) + 2 * slot_bytes(words) + 4095) / 4096 * 4096; }
-
-int open_pidfd(pid_t pid) {
-#ifdef SYS_pidfd_open
-  return int(syscall(SYS_pidfd_open, pid, 0));
-#else
-  (void)pid;
-  errno = ENOSYS;
-  return -1;
-#endif
-}
 
 }  // namespace
 
@@ -187,14 +176,7 @@ void AgreementBoard::collect(int q, uint64_t seq, int64_t* out, const Deadline& 
     if (deadline.expired())
       throw TimeoutError(cat("mk ", op, ": rank ", rank_, " timed out waiting for rank ", q,
                              "'s argument descriptor (it has not reached this fused-op call)"));
-    bool dead = false;
-    if (pidfds_[size_t(q)] >= 0) {
-      pollfd p{pidfds_[size_t(q)], POLLIN, 0};
-      dead = ::poll(&p, 1, 0) > 0;
-    } else {
-      dead = ::kill(h->pid, 0) != 0 && errno == ESRCH;
-    }
-    if (dead && !ready())
+    if (process_exited(pidfds_[size_t(q)], h->pid) && !ready())
       throw PeerError(cat("mk ", op, ": rank ", rank_, ": rank ", q, " (pid ", h->pid,
                           ", same host) exited before sending its argument descriptor"));
     if (check) check();

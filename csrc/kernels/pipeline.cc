@@ -66,23 +66,24 @@ std::map<std::pair<std::string, const void*>, GroupState>& states() {
 std::pair<std::string, const void*> key_of(const Group& g) { return {g.name, g.backend.get()}; }
 
 // The state of g's backend (caller holds states_mu()). A destroyed group's entry is reset when a new backend
-// reuses its name and address, so a re-created group starts counting op calls from 0 on every rank. The
-// entries of other destroyed groups are dropped on the way: their agreement boards hold a memfd and a pidfd
-// per peer, which a program that creates and destroys groups in a loop would otherwise run out of.
+// reuses its name and address, so a re-created group starts counting op calls from 0 on every rank. When an
+// entry is made, those of other destroyed groups are dropped: their agreement boards hold a memfd and a
+// pidfd per peer, which a program that creates and destroys groups in a loop would otherwise run out of.
 GroupState& state_of(const Group& g) {
   const auto key = key_of(g);
   auto& all = states();
-  for (auto it = all.begin(); it != all.end();) {
-    if (it->first != key && it->second.backend.expired())
-      it = all.erase(it);
+  auto it = all.find(key);
+  if (it != all.end() && it->second.backend.lock().get() == g.backend.get()) return it->second;
+  // a new group (or a re-created one): the time to drop the entries of destroyed ones
+  for (auto j = all.begin(); j != all.end();) {
+    if (j->first != key && j->second.backend.expired())
+      j = all.erase(j);
     else
-      ++it;
+      ++j;
   }
-  auto& s = all[key];
-  if (s.backend.lock().get() != g.backend.get()) {
-    s = GroupState();
-    s.backend = c10::weak_intrusive_ptr<c10d::Backend>(g.backend);
-  }
+  GroupState& s = all[key];
+  s = GroupState();
+  s.backend = c10::weak_intrusive_ptr<c10d::Backend>(g.backend);
   return s;
 }
 

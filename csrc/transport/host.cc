@@ -3,10 +3,14 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
+#include <poll.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -65,6 +69,24 @@ void name_this_thread(const char* name) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "%s", name);
   (void)pthread_setname_np(pthread_self(), buf);  // fails only for names over 15 characters (truncated above)
+}
+
+int open_pidfd(pid_t pid) {
+#ifdef SYS_pidfd_open
+  return int(syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+bool process_exited(int pidfd, pid_t pid) {
+  if (pidfd >= 0) {
+    pollfd p{pidfd, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+  return ::kill(pid, 0) != 0 && errno == ESRCH;
 }
 
 }  // namespace mk

@@ -1,6 +1,8 @@
 // What this process knows about its host: an identity that tells "same machine, same network namespace"
 // (ranks with equal identities share memory), and the address its TCP listener binds to.
 #pragma once
+#include <sys/types.h>
+
 #include <string>
 
 namespace mk {
@@ -14,6 +16,11 @@ std::string host_name();
 std::string listen_address(bool loopback_only);
 // Online CPUs (for deciding how long to spin before sleeping).
 int online_cpus();
+
+// A pidfd for process `pid` (-1 where the kernel has none: then process_exited falls back to kill(pid, 0)).
+int open_pidfd(pid_t pid);
+// Whether process `pid` (with `pidfd` from open_pidfd, or -1) has exited. Never blocks.
+bool process_exited(int pidfd, pid_t pid);
 
 // Name the calling thread (at most 15 characters; shown by top -H, gdb, py-spy). Best effort.
 void name_this_thread(const char* name);

@@ -1,9 +1,7 @@
 #include "transport/providers/shm.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <sched.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -70,15 +68,6 @@ struct Layout {
     total = round_up(slots_off + o.chunk * size_t(o.slots), 4096);
   }
 };
-
-int pidfd_open(pid_t pid) {
-#ifdef SYS_pidfd_open
-  return int(syscall(SYS_pidfd_open, pid, 0));
-#else
-  errno = ENOSYS;
-  return -1;
-#endif
-}
 
 }  // namespace
 
@@ -222,7 +211,7 @@ void ShmProvider::attach(const std::vector<std::string>& descriptors, const Dead
   for (int j = 0; j < local_size(); ++j) {
     if (j == me_) continue;
     peers_[j] = std::make_unique<ShmSegment>(local_size(), opt_, rank_, locals_[j], descriptors.at(size_t(j)));
-    pidfds_[j] = pidfd_open(peers_[j]->pid());
+    pidfds_[j] = open_pidfd(peers_[j]->pid());
   }
   (void)deadline;
   progress_ = std::thread([this] {
@@ -259,14 +248,7 @@ void ShmProvider::check_peer(int j, const char* op) {
   }
   if (peers_[j]->control()->aborted.load())
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": peer ", locals_[j], " aborted the communicator"));
-  bool dead = false;
-  if (pidfds_[j] >= 0) {
-    pollfd p{pidfds_[j], POLLIN, 0};
-    dead = ::poll(&p, 1, 0) > 0;
-  } else {
-    dead = ::kill(peers_[j]->pid(), 0) != 0 && errno == ESRCH;
-  }
-  if (dead) {
+  if (process_exited(pidfds_[j], peers_[j]->pid())) {
     const std::string why = cat("peer ", locals_[j], " (pid ", peers_[j]->pid(), ", same host) exited");
     fail_peer(j, cat("rank ", rank_, ": ", why));
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": ", why));
