@@ -43,9 +43,22 @@ uint64_t mix64(uint64_t h, uint64_t v) {
 
 size_t nbytes(const at::Tensor& t) { return size_t(t.numel()) * t.element_size(); }
 
+// A lane: a thread that issues mk collectives in order and waits for each, so that ProcessGroupMK's inline
+// path (small collectives run on the calling thread) never blocks the compute thread. One per group, kept
+// with the group's state (a thread per op call would cost more than a small op); an idle lane only sleeps
+// on its condition variable.
+using Lane = JobThread;
+
 // Per-group state shared by the op calls on that group: the op sequence number and the link estimate.
+//
+// It names its group by a weak reference to the ProcessGroup, not to the backend. A weak reference keeps an
+// object's memory (so no new group can reuse the address and be taken for this one) but not its destructor:
+// a backend's destructor is what joins its threads (Gloo's run loops, mk's progress threads), and a weak
+// reference to the backend kept them running after destroy_process_group, into interpreter shutdown, where a
+// Gloo worker that released a Python-owned tensor called std::terminate. ProcessGroup releases its backends
+// when its last strong reference goes (release_resources), so they are destroyed on time.
 struct GroupState {
-  c10::weak_intrusive_ptr<c10d::Backend> backend{c10::intrusive_ptr<c10d::Backend>()};  // whose state this is
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> pg{c10::intrusive_ptr<c10d::ProcessGroup>()};  // whose state
   std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
@@ -53,6 +66,7 @@ struct GroupState {
   bool board_tried = false;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
+  std::unique_ptr<Lane> lane;  // mk: created by the first lane collective
 };
 
 std::mutex& states_mu() {
@@ -63,27 +77,37 @@ std::map<std::pair<std::string, const void*>, GroupState>& states() {
   static std::map<std::pair<std::string, const void*>, GroupState> s;
   return s;
 }
+// Lanes of dropped entries (guarded by states_mu()). They are joined outside that lock: a lane's job takes it.
+std::vector<std::unique_ptr<Lane>>& retired_lanes() {
+  static std::vector<std::unique_ptr<Lane>> v;
+  return v;
+}
 std::pair<std::string, const void*> key_of(const Group& g) { return {g.name, g.backend.get()}; }
 
-// The state of g's backend (caller holds states_mu()). A destroyed group's entry is reset when a new backend
-// reuses its name and address, so a re-created group starts counting op calls from 0 on every rank. When an
-// entry is made, those of other destroyed groups are dropped: their agreement boards hold a memfd and a
-// pidfd per peer, which a program that creates and destroys groups in a loop would otherwise run out of.
+// The state of g's backend (caller holds states_mu()). A destroyed group's entry is reset when a new group
+// reuses its name and backend address, so a re-created group starts counting op calls from 0 on every rank.
+// When an entry is made, those of other destroyed groups are dropped: their agreement boards hold a memfd and
+// a pidfd per peer, their lanes a thread, which a program that creates and destroys groups in a loop would
+// otherwise run out of.
 GroupState& state_of(const Group& g) {
   const auto key = key_of(g);
   auto& all = states();
   auto it = all.find(key);
-  if (it != all.end() && it->second.backend.lock().get() == g.backend.get()) return it->second;
+  if (it != all.end() && it->second.pg.lock().get() == g.pg.get()) return it->second;
   // a new group (or a re-created one): the time to drop the entries of destroyed ones
   for (auto j = all.begin(); j != all.end();) {
-    if (j->first != key && j->second.backend.expired())
+    if (j->first != key && j->second.pg.expired()) {
+      if (j->second.lane) retired_lanes().push_back(std::move(j->second.lane));
       j = all.erase(j);
-    else
+    } else {
       ++j;
+    }
   }
   GroupState& s = all[key];
+  std::unique_ptr<Lane> lane = std::move(s.lane);  // a lane holds nothing of its group: the new one keeps it
   s = GroupState();
-  s.backend = c10::weak_intrusive_ptr<c10d::Backend>(g.backend);
+  s.pg = c10::weak_intrusive_ptr<c10d::ProcessGroup>(g.pg);
+  s.lane = std::move(lane);
   return s;
 }
 
@@ -290,26 +314,23 @@ void Pending::wait() {
 
 // ---------------------------------------------------------------- Lane
 
-// A lane: a thread that issues mk collectives in order and waits for each, so that ProcessGroupMK's inline
-// path (small collectives run on the calling thread) never blocks the compute thread.
-using Lane = JobThread;
-
-// One lane per group, kept for the life of the process (a thread per op call would cost more than a small
-// op); idle lanes only sleep on their condition variable.
 Lane& lane_of(const Group& g) {
-  static std::mutex mu;
-  static std::map<std::pair<std::string, const void*>, std::unique_ptr<Lane>> lanes;
-  std::lock_guard<std::mutex> lock(mu);
-  auto& l = lanes[key_of(g)];
-  if (!l) l = std::make_unique<Lane>("mk-ops-lane");
-  return *l;
+  std::lock_guard<std::mutex> lock(states_mu());
+  auto& s = state_of(g);
+  if (!s.lane) s.lane = std::make_unique<Lane>("mk-ops-lane");
+  return *s.lane;  // stays while this op holds g.pg: only entries of destroyed groups are dropped
 }
 
 // ---------------------------------------------------------------- Pipeline
 
 Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op), started_(Clock::now()) {
-  std::lock_guard<std::mutex> lock(states_mu());
-  seq_ = state_of(g_).next_seq++;
+  std::vector<std::unique_ptr<Lane>> retired;
+  {
+    std::lock_guard<std::mutex> lock(states_mu());
+    seq_ = state_of(g_).next_seq++;
+    retired.swap(retired_lanes());
+  }
+  // (destroying `retired` joins those lanes' threads, now that states_mu() is free)
 }
 
 Pipeline::~Pipeline() { record_timing(); }

@@ -8,8 +8,9 @@ raise on every rank; then a correct call again (the group stays usable). ``--mod
 ``exit``: after the board is in use, rank 0 calls the op while rank 1 does not: the group's 2 s timeout, an
 interrupt (cancel_waits from another thread) or rank 1's exit must end rank 0's wait with an error naming
 the op. ``--mode groups``: 30 times a new group, enough fused calls on it to use the board, and its
-destruction; the open file descriptors are counted after each round (a destroyed group's board must not
-keep its memfd and pidfds). The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls used the board. Prints one
+destruction; the open file descriptors and the threads are counted after each round (a destroyed group's
+board must not keep its memfd and pidfds; its backend's threads, Gloo's run loops or mk's progress threads,
+must end with destroy_process_group, and its communication lane with the next group's first op). The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls used the board. Prints one
 REPORT line per rank."""
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ def call(rank: int, m: int = 8, k: int = 4, n: int = 5) -> torch.Tensor:
     return mk.gemm_allreduce(torch.full((m, k), float(rank + 1)), torch.ones(k, n))
 
 
+def thread_names() -> list[str]:
+    """Names of this process's threads (/proc/self/task/*/comm)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # ended meanwhile
+            pass
+    return names
+
+
 def error_of(fn) -> str | None:
     try:
         fn()
@@ -65,16 +78,27 @@ def main() -> None:
     if args.mode == "groups":
         import gc
 
-        fds = []
+        fds, threads, names = [], [], []
+        report["threads_before"] = len(thread_names())
         for _ in range(30):
             pg = dist.new_group(backend=args.backend)
             for _ in range(WARM_CALLS):
                 mk.gemm_allreduce(torch.full((8, 4), float(rank + 1)), torch.ones(4, 5), pg)
+            # chunked and not in place: on mk, all but the last chunk's allreduce go through the group's lane
+            os.environ["SUPERKERNEL_OPS_IN_PLACE"] = "0"
+            got = mk.gemm_allreduce(torch.full((64, 4), float(rank + 1)), torch.ones(4, 5), pg, chunks=4)
+            del os.environ["SUPERKERNEL_OPS_IN_PLACE"]
+            if not torch.equal(got.double(), product_sum(world, 64, 4, 5)):
+                report["wrong"].append("chunked")
             dist.destroy_process_group(pg)
             del pg
             gc.collect()
             fds.append(len(os.listdir("/proc/self/fd")))
+            names = thread_names()
+            threads.append(len(names))
         report["fds"] = fds
+        report["threads"] = threads
+        report["thread_names"] = sorted(names)
         dist.barrier()
     elif args.mode == "agree":
         report["shape_error"] = error_of(lambda: call(rank, m=8 + rank))

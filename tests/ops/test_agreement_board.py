@@ -83,10 +83,19 @@ def test_wait_on_the_board_ends(mode: str, backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_destroyed_groups_release_their_boards(backend: str) -> None:
     """30 groups created, used past the board's set-up and destroyed: the open descriptors stay flat (each
-    board holds a memfd and a pidfd per peer until its group's state is dropped)."""
+    board holds a memfd and a pidfd per peer until its group's state is dropped), and so do the threads (the
+    backend's own end with destroy_process_group, an mk group's lane with the next group's first op)."""
     results = run_world(2, SCRIPT, ["--mode", "groups", "--backend", backend], timeout=300, env=TRACE)
     for res in results:
         assert res.returncode == 0, f"rank {res.rank}: exit {res.returncode}\n{res.stderr[-3000:]}"
         assert board_calls(res)[0], f"rank {res.rank}: the board was never used"
-        fds = res.report()["fds"]
+        rep = res.report()
+        assert rep["wrong"] == [], f"rank {res.rank}: wrong results {rep['wrong']}"
+        fds = rep["fds"]
         assert fds[-1] - fds[4] <= 4, f"rank {res.rank}: open descriptors per round {fds}"
+        # Threads: those from before the first new group, plus at most one lane of an mk group (joined by
+        # the next group's first op). A reference that outlived destroy_process_group kept the destroyed
+        # group's backend, and so Gloo's run loops or mk's progress threads, alive.
+        threads = rep["threads"]
+        assert max(threads) <= rep["threads_before"] + (1 if backend == "mk" else 0), (
+            f"rank {res.rank}: threads per round {threads}; now {rep['thread_names']}")
