@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -70,7 +71,7 @@ struct AgreementBoard::Segment {
 };
 
 AgreementBoard::AgreementBoard(int rank, int size, size_t words)
-    : rank_(rank), size_(size), words_(words), own_(std::make_unique<Segment>()) {
+    : rank_(rank), size_(size), words_(words), spin_(spin_time(size)), own_(std::make_unique<Segment>()) {
   const int fd = int(syscall(SYS_memfd_create, cat("mk-agree-rank", rank).c_str(), MFD_CLOEXEC));
   MK_SYSCHECK(fd, cat("mk ops: rank ", rank, ": memfd_create for the agreement board"));
   own_->words = words;
@@ -165,9 +166,15 @@ void AgreementBoard::collect(int q, uint64_t seq, int64_t* out, const Deadline& 
   SlotHead* slot = s.slot(seq);
   const uint64_t gen = cancel_generation().load(std::memory_order_acquire);
   auto ready = [&] { return slot->seq_plus1.load(std::memory_order_acquire) == seq + 1; };
-  for (int i = 0; i < 256 && !ready(); ++i) {
+  // Spin as the shm transport does before sleeping: on a VM, waking a sleeping rank costs tens of
+  // microseconds, and a late wake here delays the op's first collective too.
+  const auto spin_until = std::chrono::steady_clock::now() + spin_;
+  for (int i = 0; !ready(); ++i) {
     cpu_relax();
-    if ((i & 31) == 31) sched_yield();  // the writer may share this core
+    if ((i & 31) == 31) {
+      if (std::chrono::steady_clock::now() >= spin_until) break;
+      sched_yield();  // the writer may share this core
+    }
   }
   while (!ready()) {
     if (cancel_generation().load(std::memory_order_acquire) != gen)

@@ -25,6 +25,7 @@
 #pragma once
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -74,6 +75,7 @@ class AgreementBoard {
   struct Segment;
   int rank_, size_;
   size_t words_;
+  std::chrono::microseconds spin_;  // before a wait sleeps (every rank of the group is on this host)
   int64_t token_ = 0;
   bool mapped_ = false, active_ = false, retired_ = false;
   std::unique_ptr<Segment> own_;

@@ -65,6 +65,11 @@ int online_cpus() {
   return n > 0 ? int(n) : 1;
 }
 
+std::chrono::microseconds spin_time(int local_ranks) {
+  if (const char* v = std::getenv("SUPERKERNEL_SPIN_US"); v && *v) return std::chrono::microseconds(std::atoi(v));
+  return std::chrono::microseconds(local_ranks > online_cpus() ? 2 : 50);
+}
+
 void name_this_thread(const char* name) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "%s", name);

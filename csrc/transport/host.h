@@ -3,6 +3,7 @@
 #pragma once
 #include <sys/types.h>
 
+#include <chrono>
 #include <string>
 
 namespace mk {
@@ -16,6 +17,11 @@ std::string host_name();
 std::string listen_address(bool loopback_only);
 // Online CPUs (for deciding how long to spin before sleeping).
 int online_cpus();
+// How long a wait for a peer on this host spins before it sleeps, with `local_ranks` ranks of the job on
+// this host: 50 us when they fit on its cores (peers in step arrive within that, and waking a sleeper costs
+// tens of microseconds on a VM), 2 us when they outnumber them (the peer needs our core);
+// $SUPERKERNEL_SPIN_US overrides both.
+std::chrono::microseconds spin_time(int local_ranks);
 
 // A pidfd for process `pid` (-1 where the kernel has none: then process_exited falls back to kill(pid, 0)).
 int open_pidfd(pid_t pid);

@@ -192,8 +192,7 @@ ShmProvider::ShmProvider(int rank, const std::vector<int>& locals, Matcher& matc
   // Spin less when the ranks of this host outnumber its cores: the peer we wait for needs our core.
   // Spin for a few tens of microseconds (peers in step arrive within that), then yield, then sleep.
   oversubscribed_ = int(locals.size()) > online_cpus();
-  spin_ = std::chrono::microseconds(oversubscribed_ ? 2 : 50);
-  if (const char* v = std::getenv("SUPERKERNEL_SPIN_US"); v && *v) spin_ = std::chrono::microseconds(std::atoi(v));
+  spin_ = spin_time(int(locals.size()));
 }
 
 ShmProvider::~ShmProvider() {
