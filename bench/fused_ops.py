@@ -12,11 +12,17 @@ max(compute, comm) is what perfect overlap would reach on a machine where commun
 "both at once" is what overlapping two independent pieces of work reaches on this one (on a small VM the
 communication's CPU work, the kernel's network stack included, slows the computation), so it bounds what
 any pipelining can do. Columns: op, shape, fused ms, unfused ms, speedup (unfused / fused), ideal ms,
-fused/ideal, both ms, fused/both; the detail adds A/A, the unfused composition against itself timed in a
-second slot (the noise a speedup must exceed). The six variants of a case are interleaved, one call each per
-round, in a new random order every round; each call starts after a barrier; a call's time is the maximum
-over ranks (the slowest rank decides) and the table shows the median over the rounds. Each row's detail also gives the median minor page faults
-per call of the fused and unfused variants (the maximum over ranks; whole process). Results go to
+fused/ideal, both ms, fused/both. Each case is measured in two passes. The first times the fused op
+against the unfused composition, each in two slots of every round (fused, fused again, unfused, unfused
+again): a call runs faster when its code is warm in the caches, and a pass where four of six variants ran
+the unfused code (unfused, its A/A copy, the compute and the communication alone) left the fused op's code
+the coldest; at 256^3 that alone moved the speedup from 1.03-1.07x to 0.97x (bench/README.md). The second
+pass times the computation alone, the communication alone and both at once. Within a pass the variants are
+interleaved, one call each per round, in a new random order every round; each call starts after a barrier;
+a call's time is the maximum over ranks (the slowest rank decides) and the table shows the median over the
+rounds. The detail gives A/A for both: unfused / unfused again and fused / fused again (the noise a speedup
+must exceed). Each row's detail also gives the median minor page faults per call of the fused and unfused
+variants (the maximum over ranks; whole process). Results go to
 bench/results/fused-<tag>.json and .png.
 
 Cases come from a registry (bench/fused_registry.py): every module bench/fused_cases_*.py registers
@@ -70,7 +76,9 @@ def _max_over_ranks(dist: Any, torch: Any, value: float) -> float:
     return float(t.item())
 
 
-KINDS = ("fused", "unfused", "unfused_again", "compute", "comm", "both")
+# the two passes of a case: fused against unfused (each twice per round), then the bounds
+PAIR = ("fused", "fused_again", "unfused", "unfused_again")
+BOUNDS = ("compute", "comm", "both")
 
 
 class Concurrently:
@@ -207,16 +215,19 @@ def format_table(doc: dict[str, Any]) -> str:
         faults = (f"; page faults per call fused {r['fused_faults']:.0f}, unfused {r['unfused_faults']:.0f}"
                   if "fused_faults" in r else "")
         aa = f", A/A {r['unfused_ms'] / r['unfused_again_ms']:.2f}" if "unfused_again_ms" in r else ""
+        if "fused_again_ms" in r:
+            aa += f", fused A/A {r['fused_ms'] / r['fused_again_ms']:.2f}"
         cpu = ("; machine CPU ms per call: " + ", ".join(f"{k} {r[k + '_cpu'] * 1e3:.1f}" for k in
                                                          ("fused", "unfused", "compute", "comm", "both"))
                if "fused_cpu" in r else "")
         detail = (f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{aa}{faults}{cpu}"
                   f"{'; ' + r['note'] if r['note'] else ''})")
         lines.append(" | ".join(v.rjust(w) for v, w in zip(row, widths)) + detail)
-    aas = [r["unfused_ms"] / r["unfused_again_ms"] for r in doc["results"] if "unfused_again_ms" in r]
+    aas = [r[f"{k}_ms"] / r[f"{k}_again_ms"] for r in doc["results"] for k in ("unfused", "fused")
+           if f"{k}_again_ms" in r]
     if aas:
-        lines.append(f"# A/A = unfused / the same unfused composition in a second slot of every round: "
-                     f"{min(aas):.2f}-{max(aas):.2f} over these rows, this run's noise for a speedup")
+        lines.append(f"# A/A = unfused / the same unfused composition in a second slot of every round (and fused / "
+                     f"fused again): {min(aas):.2f}-{max(aas):.2f} over these rows, this run's noise for a speedup")
     return "\n".join(lines)
 
 
@@ -292,15 +303,19 @@ def main() -> int:
             if wanted_ops and case.op not in wanted_ops:
                 continue
             row: dict[str, Any] = {"family": fam, "op": case.op, "shape": case.shape, "note": case.note, **case.extra}
-            fns = {k: getattr(case, k) for k in KINDS if k not in ("both", "unfused_again")}
-            # an A/A control: the unfused composition once more, in its own slot of every round
-            fns["unfused_again"] = case.unfused
-            fns["both"] = Concurrently(case.compute, case.comm)
-            secs, iters = measure(fns, args.time, args.min_iters, args.max_iters,
+            pair = {"fused": case.fused, "fused_again": case.fused, "unfused": case.unfused,
+                    "unfused_again": case.unfused}
+            bounds = {"compute": case.compute, "comm": case.comm, "both": Concurrently(case.compute, case.comm)}
+            assert tuple(pair) == PAIR and tuple(bounds) == BOUNDS
+            secs, iters = measure(pair, args.time, args.min_iters, args.max_iters,
                                   dist, torch, args.chunks, args.settle_ms / 1e3, args.machine_cpu)
+            secs_b, iters_b = measure(bounds, args.time, args.min_iters, args.max_iters,
+                                      dist, torch, args.chunks, args.settle_ms / 1e3, args.machine_cpu)
+            secs |= secs_b
             row.update({f"{k}_ms": v * 1e3 for k, v in secs.items() if not k.endswith(("_faults", "_cpu"))})
             row.update({k: v for k, v in secs.items() if k.endswith(("_faults", "_cpu"))})
             row["iters"] = iters
+            row["iters_bounds"] = iters_b
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
             results.append(row)
             if launch.rank == 0:

@@ -15,7 +15,7 @@ import pytest
 from tests.transport.world import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("fused", "unfused", "unfused_again", "compute", "comm", "both")
+KINDS = ("fused", "fused_again", "unfused", "unfused_again", "compute", "comm", "both")
 
 
 def run_bench(tmp: Path, tag: str, families: str, shapes: str) -> dict:
@@ -47,4 +47,4 @@ def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[
         for kind in KINDS:
             assert r[f"{kind}_ms"] > 0, (r["op"], r["shape"], kind)
             assert r[f"{kind}_cpu"] >= 0, (r["op"], r["shape"], kind)
-        assert r["iters"] == 2 and r["ideal_ms"] == max(r["compute_ms"], r["comm_ms"])
+        assert r["iters"] == 2 and r["iters_bounds"] == 2 and r["ideal_ms"] == max(r["compute_ms"], r["comm_ms"])
