@@ -10,6 +10,8 @@ address) runs bench/collectives.py with the given options (after ``--``); the ta
 shown as it comes, JSON/PNG land in bench/results/ (tag ``netns-<rate>-2x<N>``), and a summary compares the
 backends per rate. MPI is not measured here (no mpirun across the namespaces); mk is measured when
 ``import superkernel`` provides it (SUPERKERNEL_TRANSPORT is passed through). "none" means an unshaped veth.
+With SUPERKERNEL_OPS_TRACE=1 (passed through like every variable) the fused ops' trace lines of every rank
+("[mk <op> rank R call N] ... chunks=C ...": the chunk count each call used) are printed after the table.
 This is a benchmark: it prints numbers and asserts nothing.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,9 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
         results = run_torch_job(hosts, str(HERE / script), args, nproc_per_host=nproc, timeout=timeout)
     head = results[0]
     print(head.stdout, end="", flush=True)
+    if os.environ.get("SUPERKERNEL_OPS_TRACE") == "1":
+        for r in results:
+            print("".join(line + "\n" for line in r.stderr.splitlines() if line.startswith("[mk ")), end="")
     if any(r.timed_out or r.returncode != 0 for r in results):
         for r in results:
             print(r.describe(), file=sys.stderr)
