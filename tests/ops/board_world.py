@@ -10,8 +10,9 @@ interrupt (cancel_waits from another thread) or rank 1's exit must end rank 0's 
 the op. ``--mode groups``: 30 times a new group, enough fused calls on it to use the board, and its
 destruction; the open file descriptors and the threads are counted after each round (a destroyed group's
 board must not keep its memfd and pidfds; its backend's threads, Gloo's run loops or mk's progress threads,
-must end with destroy_process_group, and its communication lane with the next group's first op). The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls used the board. Prints one
-REPORT line per rank."""
+must end with destroy_process_group, and its communication lane with the next group's first op). The test
+reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls used the board. Prints one REPORT line per
+rank."""
 from __future__ import annotations
 
 import argparse
