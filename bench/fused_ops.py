@@ -18,9 +18,10 @@ again): a call runs faster when its code is warm in the caches, and a pass where
 the unfused code (unfused, its A/A copy, the compute and the communication alone) left the fused op's code
 the coldest; at 256^3 that alone moved the speedup from 1.03-1.07x to 0.97x (bench/README.md). The second
 pass times the computation alone, the communication alone and both at once. Within a pass the variants are
-interleaved, one call each per round, in a new random order every round; each call starts after a barrier;
-a call's time is the maximum over ranks (the slowest rank decides) and the table shows the median over the
-rounds. The detail gives A/A for both: unfused / unfused again and fused / fused again (the noise a speedup
+interleaved, one call each per round, in a new random order every round; with --blocks N the two passes
+alternate in N blocks (the detail then gives fused/ideal per block: how far the machine drifted); each call
+starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides) and the table
+shows the median over the rounds. The detail gives A/A for both: unfused / unfused again and fused / fused again (the noise a speedup
 must exceed). Each row's detail also gives the median minor page faults per call of the fused and unfused
 variants (the maximum over ranks; whole process). Results go to
 bench/results/fused-<tag>.json and .png.
@@ -39,6 +40,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -110,9 +112,11 @@ TUNING_CALLS = 8   # 4 candidate chunk counts, each timed twice
 
 
 def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
-            torch: Any, chunks: int = 0, settle: float = 0.0,
-            machine_cpu: bool = False) -> tuple[dict[str, float], int]:
-    """Median per-call seconds of each variant and the iteration count (the same on every rank).
+            torch: Any, chunks: int = 0, settle: float = 0.0, machine_cpu: bool = False,
+            tune: bool = True) -> dict[str, list[float]]:
+    """Per-round samples of each variant, the same on every rank: ``out[k]`` the call times in seconds (the
+    maximum over ranks), ``out[k + "_faults"]`` its minor page faults, with ``machine_cpu`` also
+    ``out[k + "_cpu"]`` the machine's busy CPU seconds. Summarise them with ``summarise``.
 
     The variants are interleaved (one call of each per round), so drifting load from other processes on this
     shared VM hits them alike, and every round runs them in a new order (a permutation seeded by the round
@@ -131,7 +135,7 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     counts in ticks (10 ms), so only the mean over many calls means anything."""
     for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
         fn()
-    if "fused" in fns and chunks == 0:
+    if tune and "fused" in fns and chunks == 0:
         # the automatic chunk count times up to TUNING_CALLS candidates' calls first (csrc/kernels/pipeline.cc,
         # Pipeline::chunks): measure the steady state a training loop sees, not the tuning
         for _ in range(TUNING_CALLS):
@@ -162,13 +166,24 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
                 busy[j, i] = _machine_busy() - b0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     dist.all_reduce(faults, op=dist.ReduceOp.MAX)
-    med, med_faults = times.median(dim=1).values, faults.median(dim=1).values
-    out = ({k: float(med[j].item()) for j, k in enumerate(fns)}
-           | {f"{k}_faults": float(med_faults[j].item()) for j, k in enumerate(fns)})
+    out = ({k: times[j].tolist() for j, k in enumerate(fns)}
+           | {f"{k}_faults": faults[j].tolist() for j, k in enumerate(fns)})
     if machine_cpu:  # every rank reads its own machine's counter: the busiest machine
         dist.all_reduce(busy, op=dist.ReduceOp.MAX)
-        out |= {f"{k}_cpu": float(busy[j].mean().item()) for j, k in enumerate(fns)}
-    return out, iters
+        out |= {f"{k}_cpu": busy[j].tolist() for j, k in enumerate(fns)}
+    return out
+
+
+def summarise(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Median of each variant's call times and page faults over its rounds; mean of the machine CPU times
+    (counted in 10 ms ticks: only a mean over many calls means anything)."""
+    return {k: statistics.mean(v) if k.endswith("_cpu") else statistics.median(v) for k, v in samples.items()}
+
+
+def merge(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
+    for k, v in more.items():
+        into.setdefault(k, []).extend(v)
+    return into
 
 
 def _machine_busy() -> float:
@@ -215,6 +230,9 @@ def format_table(doc: dict[str, Any]) -> str:
         cpu = ("; machine CPU ms per call: " + ", ".join(f"{k} {r[k + '_cpu'] * 1e3:.1f}" for k in
                                                          ("fused", "unfused", "compute", "comm", "both"))
                if "fused_cpu" in r else "")
+        by_block = r.get("fused_ideal_by_block", [])
+        if len(by_block) > 1:
+            aa += f", fused/ideal by block {min(by_block):.2f}-{max(by_block):.2f}"
         detail = (f"   (compute {r['compute_ms']:.3f}, comm {r['comm_ms']:.3f}{aa}{faults}{cpu}"
                   f"{'; ' + r['note'] if r['note'] else ''})")
         lines.append(" | ".join(v.rjust(w) for v, w in zip(row, widths)) + detail)
@@ -267,6 +285,9 @@ def main() -> int:
                     help="idle link before every timed call (bench/netns.py sets it on shaped links)")
     ap.add_argument("--machine-cpu", action="store_true",
                     help="also report the whole machine's busy CPU time per call (bench/netns.py sets it)")
+    ap.add_argument("--blocks", type=int, default=1,
+                    help="alternate the speedup pass and the bounds pass in this many blocks (each gets its share "
+                         "of --time and at least --min-iters rounds)")
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--out-dir", default=str(HERE / "results"))
@@ -303,23 +324,35 @@ def main() -> int:
             pair = {"fused": case.fused, "fused_again": case.fused, "unfused": case.unfused,
                     "unfused_again": case.unfused}
             bounds = {"compute": case.compute, "comm": case.comm, "both": Concurrently(case.compute, case.comm)}
-            secs, iters = measure(pair, args.time, args.min_iters, args.max_iters,
-                                  dist, torch, args.chunks, args.settle_ms / 1e3, args.machine_cpu)
-            secs_b, iters_b = measure(bounds, args.time, args.min_iters, args.max_iters,
-                                      dist, torch, args.chunks, args.settle_ms / 1e3, args.machine_cpu)
-            secs |= secs_b
+            # The passes alternate in --blocks blocks (pair, bounds, pair, bounds, ...), each with its share of
+            # --time, so that the machine's speed drifting during a case (this VM's product of one shape took
+            # 31.6-43.1 ms in runs minutes apart) moves the speedup's and the ideal's samples alike.
+            samples: dict[str, list[float]] = {}
+            per_block = []
+            for blk in range(args.blocks):
+                got = measure(pair, args.time / args.blocks, args.min_iters, args.max_iters, dist, torch,
+                              args.chunks, args.settle_ms / 1e3, args.machine_cpu, tune=blk == 0)
+                got_b = measure(bounds, args.time / args.blocks, args.min_iters, args.max_iters, dist, torch,
+                                args.chunks, args.settle_ms / 1e3, args.machine_cpu, tune=False)
+                med = summarise(got | got_b)
+                per_block.append(med["fused"] / max(med["compute"], med["comm"]))
+                merge(samples, got)
+                merge(samples, got_b)
+            secs = summarise(samples)
             row.update({f"{k}_ms": v * 1e3 for k, v in secs.items() if not k.endswith(("_faults", "_cpu"))})
             row.update({k: v for k, v in secs.items() if k.endswith(("_faults", "_cpu"))})
-            row["iters"] = iters
-            row["iters_bounds"] = iters_b
+            row["iters"] = len(samples["fused"])
+            row["iters_bounds"] = len(samples["compute"])
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
+            row["fused_ideal_by_block"] = per_block
             results.append(row)
             if launch.rank == 0:
                 print(f"  measured {case.op} {case.shape}: fused {row['fused_ms']:.3f} ms, unfused "
                       f"{row['unfused_ms']:.3f} ms, ideal {row['ideal_ms']:.3f} ms, both {row['both_ms']:.3f} ms",
                       flush=True)
     doc = {"meta": {"world_size": launch.world_size, "backend": args.backend, "dtype": args.dtype,
-                    "chunks": args.chunks, "settle_ms": args.settle_ms, "hosts_desc": hosts_desc,
+                    "chunks": args.chunks, "blocks": args.blocks, "settle_ms": args.settle_ms,
+                    "hosts_desc": hosts_desc,
                     "launcher": launch.launcher,
                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "host": sorted(hosts), "load": os.getloadavg(), "families": families,

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("fused", "fused_again", "unfused", "unfused_again", "compute", "comm", "both")
 
 
-def run_bench(tmp: Path, tag: str, families: str, shapes: str) -> dict:
+def run_bench(tmp: Path, tag: str, families: str, shapes: str, blocks: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
             str(ROOT / "bench" / "fused_ops.py"), "--families", families, "--shapes", shapes,
-            "--time", "0.01", "--min-iters", "2", "--max-iters", "2", "--machine-cpu",
+            "--time", "0.01", "--min-iters", "2", "--max-iters", "2", "--blocks", str(blocks), "--machine-cpu",
             "--out-dir", str(tmp), "--tag", tag]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -32,13 +32,13 @@ def run_bench(tmp: Path, tag: str, families: str, shapes: str) -> dict:
     return json.loads((tmp / f"fused-{tag}.json").read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize("families,shapes,ops", [
+@pytest.mark.parametrize("families,shapes,ops,blocks", [
     ("gemm,attention,train", "32x16x24,1x4x2x16x8",
-     {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "ring_attention"}),
-    ("moe", "64x16x24x2x2", {"moe_dispatch_gemm", "moe_combine"}),
-], ids=["gemm-attention-train", "moe"])
-def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[str]) -> None:
-    doc = run_bench(tmp_path, families.replace(",", "-"), families, shapes)
+     {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "ring_attention"}, 1),
+    ("moe", "64x16x24x2x2", {"moe_dispatch_gemm", "moe_combine"}, 2),
+], ids=["gemm-attention-train", "moe-2-blocks"])
+def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[str], blocks: int) -> None:
+    doc = run_bench(tmp_path, families.replace(",", "-"), families, shapes, blocks)
     rows = doc["results"]
     assert {r["family"] for r in rows} == set(families.split(",")), rows
     assert {r["op"] for r in rows} == ops, rows
@@ -47,4 +47,7 @@ def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[
         for kind in KINDS:
             assert r[f"{kind}_ms"] > 0, (r["op"], r["shape"], kind)
             assert r[f"{kind}_cpu"] >= 0, (r["op"], r["shape"], kind)
-        assert r["iters"] == 2 and r["iters_bounds"] == 2 and r["ideal_ms"] == max(r["compute_ms"], r["comm_ms"])
+        # every block times each pass for --min-iters rounds (2 here), and the rows pool them
+        assert r["iters"] == 2 * blocks and r["iters_bounds"] == 2 * blocks, r
+        assert r["ideal_ms"] == max(r["compute_ms"], r["comm_ms"])
+        assert len(r["fused_ideal_by_block"]) == blocks and all(v > 0 for v in r["fused_ideal_by_block"]), r
