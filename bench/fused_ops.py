@@ -294,6 +294,8 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--hosts-desc", default="")
     args = ap.parse_args()
+    if args.blocks < 1:
+        ap.error(f"--blocks must be at least 1, got {args.blocks}")
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from collectives import detect_launch
