@@ -34,7 +34,7 @@ def execute(name: str, kernel_name: str) -> list[str]:
 
 
 def test_examples_notebook(kernel_prefix):
-    info, shell, allreduce, sharding, barrier = execute("examples.ipynb", "sk-test-2")
+    info, shell, allreduce, sharding, barrier, tensor_parallel, attention, moe = execute("examples.ipynb", "sk-test-2")
     rows = [line for _, line in labelled(info) if re.match(r"\s*\d+\s+\d+\s+\S+\s+\d+\s+cpu", line)]
     assert len(rows) == 2 and "world size 2 on 1 host(s)" in info
     assert labelled(shell)[0][0] == "[ranks 0,1]" and len(labelled(shell)) == 2
@@ -44,6 +44,18 @@ def test_examples_notebook(kernel_prefix):
     assert ("[rank 1]", "rank 1: 500 items [500 .. 999]") in labelled(sharding)
     assert "[ranks 0,1] sum over all shards = 499500, sum of the whole dataset = 499500" in sharding
     assert "median" in barrier and re.search(r"all\s+[\d.]+\s+[\d.]+\s+[\d.]+", barrier)
+    # the fused ops, each checked by every rank against the computation done whole
+    assert "[ranks 0,1] gemm_allreduce (64, 256): equals the unsplit block: True" in tensor_parallel
+    assert ("[rank 0]", "ring_attention, positions 0-127: equals SDPA over the whole sequence: True") in labelled(attention)
+    assert ("[rank 1]", "ring_attention, positions 128-255: equals SDPA over the whole sequence: True") in labelled(attention)
+    lines = {label: line for label, line in labelled(moe)}
+    assert set(lines) == {"[rank 0]", "[rank 1]"}, moe
+    for label, line in lines.items():
+        got = re.fullmatch(rf"moe: rank {label[-2]}'s experts got \[(\d+), (\d+)\] rows; combined output equals the "
+                           r"dense reference: True", line)
+        assert got, line
+    # 16 tokens x top-2 on each of the 2 ranks: 64 (token, choice) rows reach the 4 experts, none dropped
+    assert sum(int(n) for line in lines.values() for n in re.findall(r"\[(\d+), (\d+)\]", line)[0]) == 64, moe
 
 
 def test_mpi_examples_notebook(kernel_prefix):
@@ -62,9 +74,10 @@ def test_example_runner_prints_every_cell(tmp_path):
     out = subprocess.run([sys.executable, "-m", "superkernel.example", "--ranks", "2"], cwd=NOTEBOOKS.parent,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("In [") == 5
+    assert out.stdout.count("In [") == 8
     assert "all_reduce(rank + 1) = 3 (expected 3)" in out.stdout
-    assert "# 5 cells in" in out.stdout and "FAILED" not in out.stdout
+    assert "equals the unsplit block: True" in out.stdout
+    assert "# 8 cells in" in out.stdout and "FAILED" not in out.stdout
 
 
 def printed_by(text: str, line: str) -> set[int]:
