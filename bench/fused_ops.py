@@ -21,9 +21,9 @@ pass times the computation alone, the communication alone and both at once. With
 interleaved, one call each per round, in a new random order every round; with --blocks N the two passes
 alternate in N blocks (the detail then gives fused/ideal per block: how far the machine drifted); each call
 starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides) and the table
-shows the median over the rounds. The detail gives A/A for both: unfused / unfused again and fused / fused again (the noise a speedup
-must exceed). Each row's detail also gives the median minor page faults per call of the fused and unfused
-variants (the maximum over ranks; whole process). Results go to
+shows the median over the rounds. The detail gives A/A for both: unfused / unfused again and fused / fused
+again (the noise a speedup must exceed). Each row's detail also gives the median minor page faults per
+call of the fused and unfused variants (the maximum over ranks; whole process). Results go to
 bench/results/fused-<tag>.json and .png.
 
 Cases come from a registry (bench/fused_registry.py): every module bench/fused_cases_*.py registers
@@ -180,10 +180,10 @@ def summarise(samples: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.mean(v) if k.endswith("_cpu") else statistics.median(v) for k, v in samples.items()}
 
 
-def merge(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
+def merge(into: dict[str, list[float]], more: dict[str, list[float]]) -> None:
+    """Append ``more``'s samples to ``into``'s, variant by variant."""
     for k, v in more.items():
         into.setdefault(k, []).extend(v)
-    return into
 
 
 def _machine_busy() -> float:
@@ -328,7 +328,7 @@ def main() -> int:
             bounds = {"compute": case.compute, "comm": case.comm, "both": Concurrently(case.compute, case.comm)}
             # The passes alternate in --blocks blocks (pair, bounds, pair, bounds, ...), each with its share of
             # --time, so that the machine's speed drifting during a case (this VM's product of one shape took
-            # 31.6-43.1 ms in runs minutes apart) moves the speedup's and the ideal's samples alike.
+            # 31.6-47.1 ms in runs minutes apart) moves the speedup's and the ideal's samples alike.
             samples: dict[str, list[float]] = {}
             per_block = []
             for blk in range(args.blocks):
