@@ -49,6 +49,7 @@ DEFAULT_ARGS = ["--max-bytes", "16M", "--factor", "4", "--time", "0.2"]
 
 
 SETTLE_MS = 10.0
+FUSED_BLOCKS = 4
 
 
 def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path, timeout: float,
@@ -65,6 +66,10 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
         args += ["--settle-ms", str(SETTLE_MS)]
     if script == "fused_ops.py" and "--machine-cpu" not in bench_args:
         args += ["--machine-cpu"]  # the two "hosts" share this machine's cores: what does communication cost them
+    if script == "fused_ops.py" and "--blocks" not in bench_args:
+        # the product's speed on this VM drifted by a third within minutes: the speedup pass and the bounds
+        # pass alternate in blocks so the drift hits fused and ideal alike, and each row shows its size
+        args += ["--blocks", str(FUSED_BLOCKS)]
     print(f"\n######## {desc}", flush=True)
     with TwoHosts(rate=rate) as hosts:
         results = run_torch_job(hosts, str(HERE / script), args, nproc_per_host=nproc, timeout=timeout)
