@@ -2,6 +2,7 @@
 reports, so the many tests of one configuration share a single world start (~2-3 s each)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tests.transport.world import RankResult, run_world
@@ -40,3 +41,18 @@ class WorldCache:
 def failures_of(reports: list[dict], family: str) -> list[str]:
     """'rank r: problem' for every failure of ``family`` on any rank."""
     return [f"rank {rep['rank']}: {f}" for rep in reports for f in rep["failures"].get(family, [])]
+
+
+_RING_TRACE = re.compile(r"\[mk (gemm_allreduce|gemm_reducescatter) rank (\d+) call \d+\] m=(\d+) "
+                         r"k_r=\d+ n=\d+ .* ring=(\d)")
+
+
+def ring_calls(stderr: str, world: int, over_tcp: bool) -> list[tuple[str, int, int, bool, bool]]:
+    """Every traced gemm_allreduce / gemm_reducescatter call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op,
+    rank, m, ran the transport ring, should have). The rule: with a peer over TCP, gemm_reducescatter always
+    rings, gemm_allreduce when the world size divides m (m > 0); with every peer on this host neither does."""
+    calls = []
+    for op, rank, m, ring in _RING_TRACE.findall(stderr):
+        want = over_tcp and (op == "gemm_reducescatter" or (int(m) > 0 and int(m) % world == 0))
+        calls.append((op, int(rank), int(m), ring == "1", want))
+    return calls

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.ops.ops_world import HERE, MK_WORLDS, WorldCache, failures_of
+from tests.ops.ops_world import HERE, MK_WORLDS, WorldCache, failures_of, ring_calls
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
@@ -124,13 +124,8 @@ def test_ring_paths(world: int, transport: str) -> None:
             if auto and transport != "tcp":
                 assert auto.group(1) == "1", f"rank {res.rank}: automatic chunk count on one host: {line}"
                 seen[("automatic", False)] = seen.get(("automatic", False), 0) + 1
-        for op, m, n, ring in re.findall(r"\[mk (gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(\d+) "
-                                         r"k_r=\d+ n=(\d+) .* ring=(\d)", res.stderr):
-            if op == "gemm_allreduce":
-                want = transport == "tcp" and int(m) > 0 and int(m) % world == 0
-            else:
-                want = transport == "tcp"
-            assert (ring == "1") == want, f"rank {res.rank}: {op} m={m} over {transport}: ring={ring}"
+        for op, rank, m, ring, want in ring_calls(res.stderr, world, transport == "tcp"):
+            assert ring == want, f"rank {rank}: {op} m={m} over {transport}: ring={int(ring)}"
             seen[(op, want)] = seen.get((op, want), 0) + 1
     if transport == "tcp":
         assert seen.get(("gemm_allreduce", True)) and seen.get(("gemm_allreduce", False)), seen

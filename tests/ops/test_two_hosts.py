@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.netns.hosts import TwoHosts, rank_reports, run_torch_job, unavailable_reason
-from tests.ops.ops_world import HERE
+from tests.ops.ops_world import HERE, ring_calls
 
 REASON = unavailable_reason()
 PER_HOST = 2
@@ -87,15 +87,12 @@ def test_mk_takes_the_cross_host_paths() -> None:
              for line in re.findall(r"\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d call \d+\] "
                                     r"m=.*", err)]
     assert calls, "no op trace lines (SUPERKERNEL_OPS_TRACE)"
-    assert not [c for c in calls if "agreement=board" in c], [c for c in calls if "agreement=board" in c][:3]
+    on_board = [c for c in calls if "agreement=board" in c]
+    assert not on_board, on_board[:3]
     rings: dict[tuple[str, bool], int] = {}
-    for line in calls:
-        found = re.search(r"\[mk (gemm_allreduce|gemm_reducescatter) .*\] m=(\d+) .* ring=(\d)", line)
-        if not found:
-            continue
-        op, m, ring = found.group(1), int(found.group(2)), found.group(3) == "1"
-        want = op == "gemm_reducescatter" or (m > 0 and m % 4 == 0)
-        assert ring == want, line
-        rings[(op, ring)] = rings.get((op, ring), 0) + 1
+    for err in stderrs:
+        for op, rank, m, ring, want in ring_calls(err, 2 * PER_HOST, over_tcp=True):
+            assert ring == want, f"rank {rank}: {op} m={m} between hosts: ring={int(ring)}"
+            rings[(op, ring)] = rings.get((op, ring), 0) + 1
     assert rings.get(("gemm_reducescatter", True)) and rings.get(("gemm_allreduce", True)), rings
     assert rings.get(("gemm_allreduce", False)), rings
