@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <sstream>
 
 #include "kernels/agreement_board.h"
 #include "transport/comm.h"
@@ -338,11 +337,11 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   for (int r = 0; r < R; ++r) {
     const int64_t* d = row(r);
     TORCH_CHECK(d[0] == kMagic, "mk ", op, ": rank ", g.rank, ": rank ", r, " sent a malformed argument descriptor");
-    const std::string theirs_op = unpack_name(d + kName);
-    TORCH_CHECK(theirs_op == unpack_name(&mine[kName]) && d[kSeq] == int64_t(seq) && d[kCount] == int64_t(fields.size()),
-                "mk ", op, ": the ranks are at different fused-op calls on this group: rank ", g.rank, " is at ", op,
-                " (call ", seq, "), rank ", r, " at ", theirs_op, " (call ", d[kSeq], "); every rank must call the "
-                "same fused ops in the same order");
+    const bool same_call = std::memcmp(d + kName, &mine[kName], kNameBytes) == 0 && d[kSeq] == int64_t(seq) &&
+                           d[kCount] == int64_t(fields.size());
+    TORCH_CHECK(same_call, "mk ", op, ": the ranks are at different fused-op calls on this group: rank ", g.rank,
+                " is at ", op, " (call ", seq, "), rank ", r, " at ", unpack_name(d + kName), " (call ", d[kSeq],
+                "); every rank must call the same fused ops in the same order");
   }
   TORCH_CHECK(local_error.empty(), "mk ", op, ": rank ", g.rank, ": ", local_error);
   for (int r = 0; r < R; ++r)
@@ -353,16 +352,16 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   std::vector<std::vector<int64_t>> all(size_t(R), std::vector<int64_t>(fields.size()));
   for (int r = 0; r < R; ++r)
     for (size_t i = 0; i < fields.size(); ++i) all[size_t(r)][i] = row(r)[kHead + i];
-  std::ostringstream bad;
+  std::string bad;  // (formatted only when a field differs: this runs on every call)
   for (size_t i = 0; i < fields.size(); ++i) {
     if (!fields[i].must_match) continue;
     bool same = true;
     for (int r = 1; r < R; ++r) same = same && all[size_t(r)][i] == all[0][i];
     if (same) continue;
-    bad << (bad.tellp() > 0 ? "; " : "") << fields[i].name << " differs:";
-    for (int r = 0; r < R; ++r) bad << " rank " << r << " has " << value_text(fields[i].name, all[size_t(r)][i]);
+    bad += cat(bad.empty() ? "" : "; ", fields[i].name, " differs:");
+    for (int r = 0; r < R; ++r) bad += cat(" rank ", r, " has ", value_text(fields[i].name, all[size_t(r)][i]));
   }
-  TORCH_CHECK(bad.tellp() == 0, "mk ", op, ": the ranks called it with different arguments (", bad.str(),
+  TORCH_CHECK(bad.empty(), "mk ", op, ": the ranks called it with different arguments (", bad,
               "); every rank must pass matching shapes and dtypes (this is rank ", g.rank, " of ", R, ")");
   return all;
 }

@@ -1,9 +1,12 @@
 // Errors of the mk transport: every message names the rank, the peer and the operation it concerns.
 #pragma once
 #include <cerrno>
+#include <charconv>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace mk {
 
@@ -34,11 +37,37 @@ class CancelledError : public Error {
   using Error::Error;
 };
 
+namespace detail {
+// One argument of cat(): strings and integers are appended directly; anything else (floating point, bool,
+// char types, pointers, types with an operator<<) goes through a stream, so the text is what `os << x` gives.
+// Labels are built on hot paths (every fused-op message names its op, rank and peer): a stream costs a
+// locale and facet lookups per call.
+template <typename T>
+void cat_one(std::string& out, const T& x) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_same_v<D, std::string> || std::is_same_v<D, std::string_view>) {
+    out.append(x.data(), x.size());
+  } else if constexpr (std::is_same_v<D, const char*> || std::is_same_v<D, char*>) {
+    out += x ? x : "(null)";  // (a stream refuses a null char pointer; say so instead)
+  } else if constexpr (std::is_integral_v<D> && !std::is_same_v<D, bool> && sizeof(D) > 1) {
+    char buf[24];
+    auto r = std::to_chars(buf, buf + sizeof(buf), x);
+    out.append(buf, size_t(r.ptr - buf));
+  } else {
+    std::ostringstream os;
+    os << x;
+    out += os.str();
+  }
+}
+}  // namespace detail
+
+// The arguments' text joined, as `(os << ... << args)` writes it.
 template <typename... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string out;
+  out.reserve(64);
+  (detail::cat_one(out, args), ...);
+  return out;
 }
 
 // "what: strerror(errno) (errno N)" as an Error.
