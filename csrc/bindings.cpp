@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "kernels/eager_call.h"
 #include "store_worker.h"
 #include "transport/copy.h"
 #include "transport/deadline.h"
@@ -462,6 +463,10 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cancel_waits", &mk::cancel_all,
         "Make every mk wait in this process fail at once with 'cancelled by an interrupt' (the group is aborted).");
+
+  m.def("eager_call", &mk::kernels::make_eager_call, py::arg("name"), py::arg("overload") = "",
+        "A direct entry into the torch.ops operator `name` for eager calls without autograd "
+        "(superkernel.ops.dispatch.call; csrc/kernels/eager_call.h).");
 
   m.def("host_identity", &mk::host_identity, "The identity mk uses to decide which ranks share memory.");
 
