@@ -37,7 +37,6 @@
 #include <torch/library.h>
 
 #include <optional>
-#include <sstream>
 #include <tuple>
 
 #include "kernels/group.h"
@@ -50,20 +49,17 @@ namespace {
 
 // Argument checks shared by the three ops; "" when fine (agree() turns a message into an error on every rank).
 std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char* a_shape, const char* b_shape) {
-  std::ostringstream e;
-  if (a.dim() != 2 || b.dim() != 2) {
-    e << "a must be 2-D " << a_shape << " and b 2-D " << b_shape << ", got a " << a.sizes() << " and b " << b.sizes();
-  } else if (a.size(1) != b.size(0)) {
-    e << "inner dimensions differ: a is " << a.sizes() << ", b is " << b.sizes() << " (a " << a_shape << ", b "
-      << b_shape << ")";
-  } else if (a.scalar_type() != b.scalar_type()) {
-    e << "a is " << a.scalar_type() << " but b is " << b.scalar_type();
-  } else if (a.scalar_type() != at::kFloat && a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kHalf) {
-    e << "dtype " << a.scalar_type() << " is not supported (float32, bfloat16, float16)";
-  } else if (a.device() != b.device()) {
-    e << "a is on " << a.device() << " but b is on " << b.device();
-  }
-  return e.str();
+  // (messages are formatted only when a check fails: this runs on every call)
+  if (a.dim() != 2 || b.dim() != 2)
+    return c10::str("a must be 2-D ", a_shape, " and b 2-D ", b_shape, ", got a ", a.sizes(), " and b ", b.sizes());
+  if (a.size(1) != b.size(0))
+    return c10::str("inner dimensions differ: a is ", a.sizes(), ", b is ", b.sizes(), " (a ", a_shape, ", b ",
+                    b_shape, ")");
+  if (a.scalar_type() != b.scalar_type()) return c10::str("a is ", a.scalar_type(), " but b is ", b.scalar_type());
+  if (a.scalar_type() != at::kFloat && a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kHalf)
+    return c10::str("dtype ", a.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  if (a.device() != b.device()) return c10::str("a is on ", a.device(), " but b is on ", b.device());
+  return {};
 }
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
@@ -276,8 +272,15 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   const int64_t C = ga.chunks();
   if (!early_own) prepare();
   const bool own_done = early_own && C == 1;
-  // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer)
-  at::Tensor gathered = return_gathered ? at::empty({R * m, k}, a.options()) : scratch(R * m, k, a.options());
+  // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer, which
+  // the in-place path below never needs)
+  at::Tensor gathered;
+  auto gathered_buffer = [&] {
+    if (!gathered.defined())
+      gathered = return_gathered ? at::empty({R * m, k}, a.options()) : scratch(R * m, k, a.options());
+    return gathered;
+  };
+  if (return_gathered || m == 0) gathered_buffer();
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
   if (R > 1 && (!g.is_mk() || !p.over_tcp())) {
     // Other backends, and mk on one host: collectives. One chunk: one allgather of the shards into
@@ -302,9 +305,10 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
               at::mm_out(dst, part, b);
               if (return_gathered) gathered.narrow(0, j * m + int64_t(row), int64_t(nrows)).copy_(part);
             });
-      }, {a, c, gathered});
+      }, return_gathered ? std::vector<at::Tensor>{a, c, gathered} : std::vector<at::Tensor>{a, c});
       return {c, return_gathered ? gathered : a.new_empty({0, k})};
     }
+    gathered_buffer();
     if (C == 1) {
       p.on_caller([&] { return p.allgather(a, gathered); }).wait();
       if (!own_done) {
@@ -350,7 +354,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   }
 
   // mk: a ring straight over the transport.
-  gathered.narrow(0, r * m, m).copy_(a);
+  gathered_buffer().narrow(0, r * m, m).copy_(a);
   const int next = (r + 1) % R, prev = (r - 1 + R) % R;
   auto part = [&](int64_t block, int64_t i) {
     auto [lo, hi] = chunk_range(m, C, i);
