@@ -51,3 +51,22 @@ def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[
         assert r["iters"] == 2 * blocks and r["iters_bounds"] == 2 * blocks, r
         assert r["ideal_ms"] == max(r["compute_ms"], r["comm_ms"])
         assert len(r["fused_ideal_by_block"]) == blocks and all(v > 0 for v in r["fused_ideal_by_block"]), r
+
+
+@pytest.mark.parametrize("backend", ["mk", "gloo"])
+def test_op_entry_bench_runs(tmp_path: Path, backend: str) -> None:
+    """bench/op_entry.py (the fused ops' call cost through the eager entry, the former OpOverload path and
+    unfused) runs on 2 ranks, checks that the three give the same result, prints its table and writes JSON."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            str(ROOT / "bench" / "op_entry.py"), "--backend", backend, "--shapes", "8x8x8", "--calls", "5",
+            "--rounds", "3", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "overload/entry" in proc.stdout, proc.stdout[-3000:]
+    (path,) = tmp_path.glob(f"op-entry-2r-{backend}-*.json")
+    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    assert {r["op"] for r in rows} == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}
+    for r in rows:
+        for timing in ("loop_us", "barrier_us"):
+            assert set(r[timing]) == {"entry", "overload", "unfused"} and all(v > 0 for v in r[timing].values()), r
