@@ -20,6 +20,8 @@
 //       written straight into the staging slots and each rank reduces its block from them. On other
 //       backends each chunk takes the same rows from every rank's block, so its reduce-scatter leaves this
 //       rank's rows of that chunk; the reduce-scatter of chunk i overlaps the products of chunk i+1.
+// The rings across hosts need blocks of at least SUPERKERNEL_OPS_RING_MIN_ROWS rows (64; m for allgather_gemm,
+// m / R for the other two): below that the ops take the collective path (one GEMM, then mk's collective).
 // The in-place paths on one host need a row to fit in a staging slot (SUPERKERNEL_SHM_CHUNK, 1 MiB); wider
 // rows use ProcessGroupMK's collectives as other backends use theirs. They save the staging copy an unfused
 // composition makes (measured on 2 ranks: see bench/README.md).
@@ -36,6 +38,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -63,6 +66,24 @@ std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char*
 }
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
+
+// Fewest rows per GEMM for which the rings over the transport (mk, a peer across hosts) are taken. A ring
+// multiplies one block of rows per step, and every GEMM packs b again: with few rows the product is that
+// packing, so splitting it R ways costs up to R times the product (2 namespace hosts at 1 Gbit/s, 8x1024x1024:
+// 4-row blocks made gemm_allreduce 0.65x and allgather_gemm 0.68x of unfused, bench/README.md). Below it the
+// op runs one GEMM and mk's collective, as unfused does. SUPERKERNEL_OPS_RING_MIN_ROWS sets it (every rank
+// alike: the choice is part of the argument agreement); tests set 1 to run the rings on small shapes.
+int64_t ring_min_rows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("SUPERKERNEL_OPS_RING_MIN_ROWS");
+    if (!v || !*v) return int64_t(64);
+    char* end = nullptr;
+    const long long x = std::strtoll(v, &end, 10);
+    TORCH_CHECK(*end == '\0' && x >= 1, "SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got '", v, "'");
+    return int64_t(x);
+  }();
+  return rows;
+}
 
 // The step every GEMM op starts with: this rank's chunk proposal, and the agreement on the shapes (plus
 // `extra` fields) started. chunks() finishes it: either every rank proceeds with rank 0's chunk count or every
@@ -236,9 +257,11 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.comm_bytes = double(R - 1) * double(std::max<int64_t>(m, 0)) * double(std::max<int64_t>(k, 0)) * a_in.element_size();
   model.flops = 2.0 * R * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, m);
+  // mk across hosts: a ring over the transport, when a shard has rows enough for a GEMM of its own
+  const bool ring = err.empty() && R > 1 && g.is_mk() && p.over_tcp() && m >= ring_min_rows();
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
-                   {{"return_gathered", int64_t(return_gathered), true}});
+                   {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true}});
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
   at::Tensor a, b = b_in, c;
@@ -282,8 +305,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   };
   if (return_gathered || m == 0) gathered_buffer();
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
-  if (R > 1 && (!g.is_mk() || !p.over_tcp())) {
-    // Other backends, and mk on one host: collectives. One chunk: one allgather of the shards into
+  if (R > 1 && !ring) {
+    // Other backends, mk on one host, and mk across hosts with shards too small for a ring: collectives. One chunk: one allgather of the shards into
     // `gathered` (on this thread, as unfused), then one GEMM over all rows. More chunks: the
     // allgather of row part i+1 runs while part i's rows of every shard are multiplied. (A ring of separate
     // sends and receives would deadlock NCCL, whose point-to-point calls outside a group are serialised on
@@ -402,7 +425,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   // allgather of the reduced blocks, see ring_reducescatter), so the link never waits for a collective to be
   // issued and finished per chunk; elsewhere each chunk's allreduce is a collective.
   const int R = g.size;
-  const bool ring = err.empty() && R > 1 && m > 0 && m % R == 0 && g.is_mk() && p.over_tcp();
+  const bool ring = err.empty() && R > 1 && m > 0 && m % R == 0 && g.is_mk() && p.over_tcp() &&
+                    m / R >= ring_min_rows();
   model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
@@ -506,7 +530,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // an mk collective (with the one chunk Pipeline::chunks picks there: the GEMM, then the collective on this
   // thread, as unfused). Measured on 2 ranks, one host: 256x256x256 0.93x of unfused against 0.85x as a ring,
   // 512x256x512 0.96-0.97x against 0.96-1.00x; 1024x1024x1024 0.99x against 0.79-0.94x.
-  const bool ring = g.is_mk() && R > 1 && p.over_tcp();
+  const bool ring = g.is_mk() && R > 1 && p.over_tcp() && mb >= ring_min_rows();
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc_out, full;

@@ -43,16 +43,27 @@ def failures_of(reports: list[dict], family: str) -> list[str]:
     return [f"rank {rep['rank']}: {f}" for rep in reports for f in rep["failures"].get(family, [])]
 
 
-_RING_TRACE = re.compile(r"\[mk (gemm_allreduce|gemm_reducescatter) rank (\d+) call \d+\] m=(\d+) "
-                         r"k_r=\d+ n=\d+ .* ring=(\d)")
+_RING_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call \d+\] m=(\d+) "
+                         r"k(?:_r)?=\d+ n=\d+ .* ring=(\d)")
+
+# Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_min_rows).
+RING_ON_SMALL_SHAPES = {"SUPERKERNEL_OPS_RING_MIN_ROWS": "1"}
 
 
-def ring_calls(stderr: str, world: int, over_tcp: bool) -> list[tuple[str, int, int, bool, bool]]:
-    """Every traced gemm_allreduce / gemm_reducescatter call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op,
-    rank, m, ran the transport ring, should have). The rule: with a peer over TCP, gemm_reducescatter always
-    rings, gemm_allreduce when the world size divides m (m > 0); with every peer on this host neither does."""
+def ring_calls(stderr: str, world: int, over_tcp: bool, min_rows: int) -> list[tuple[str, int, int, bool, bool]]:
+    """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, ran the transport ring,
+    should have). The rule: with a peer over TCP, gemm_reducescatter rings when its blocks (m / R rows) have
+    ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default), gemm_allreduce when moreover the world
+    size divides m (m > 0), allgather_gemm when a shard has ``min_rows`` rows; with every peer on this host none
+    does."""
     calls = []
     for op, rank, m, ring in _RING_TRACE.findall(stderr):
-        want = over_tcp and (op == "gemm_reducescatter" or (int(m) > 0 and int(m) % world == 0))
-        calls.append((op, int(rank), int(m), ring == "1", want))
+        m = int(m)
+        if op == "allgather_gemm":
+            want = world > 1 and m >= min_rows
+        elif op == "gemm_reducescatter":
+            want = m // world >= min_rows
+        else:
+            want = m > 0 and m % world == 0 and m // world >= min_rows
+        calls.append((op, int(rank), m, ring == "1", over_tcp and want))
     return calls

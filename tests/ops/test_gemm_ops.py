@@ -8,11 +8,16 @@ import re
 
 import pytest
 
-from tests.ops.ops_world import HERE, MK_WORLDS, WorldCache, failures_of, ring_calls
+from tests.ops.ops_world import (HERE, MK_WORLDS, RING_ON_SMALL_SHAPES, WorldCache, failures_of,
+                                 ring_calls)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
-_worlds = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
+# (the rings across hosts also on the suite's small shapes, whose blocks have fewer rows than the default
+# SUPERKERNEL_OPS_RING_MIN_ROWS: test_ring_rows_threshold checks the default rule)
+_worlds = WorldCache("gemm_suite.py", timeout=300,
+                     env={"SUPERKERNEL_OPS_TRACE": "1", **RING_ON_SMALL_SHAPES})
+_default_ring_rule = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
 
 
 def args_for(world: int, transport: str) -> list[str]:
@@ -124,7 +129,7 @@ def test_ring_paths(world: int, transport: str) -> None:
             if auto and transport != "tcp":
                 assert auto.group(1) == "1", f"rank {res.rank}: automatic chunk count on one host: {line}"
                 seen[("automatic", False)] = seen.get(("automatic", False), 0) + 1
-        for op, rank, m, ring, want in ring_calls(res.stderr, world, transport == "tcp"):
+        for op, rank, m, ring, want in ring_calls(res.stderr, world, transport == "tcp", min_rows=1):
             assert ring == want, f"rank {rank}: {op} m={m} over {transport}: ring={int(ring)}"
             seen[(op, want)] = seen.get((op, want), 0) + 1
     if transport == "tcp":
@@ -133,6 +138,27 @@ def test_ring_paths(world: int, transport: str) -> None:
     else:
         assert seen.get(("gemm_allreduce", False)), seen
         assert seen.get(("gemm_reducescatter", False)) and seen.get(("automatic", False)), seen
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_rows_threshold(world: int) -> None:
+    """With the default SUPERKERNEL_OPS_RING_MIN_ROWS (64), the rings across hosts are taken only for blocks
+    of 64 rows or more (the suite's m=130 and mb=130/256 cases); smaller calls run one GEMM and mk's
+    collective, and still match the float64 reference."""
+    results = _default_ring_rule.results(world, "tcp", [])
+    seen: dict[tuple[str, bool], int] = {}
+    for res in results:
+        for op, rank, m, ring, want in ring_calls(res.stderr, world, over_tcp=True, min_rows=64):
+            assert ring == want, f"rank {rank}: {op} m={m}: ring={int(ring)} with 64-row blocks the threshold"
+            seen[(op, ring)] = seen.get((op, ring), 0) + 1
+    for op in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
+        assert seen.get((op, False)), seen
+    assert seen.get(("allgather_gemm", True)) and seen.get(("gemm_reducescatter", True)), seen
+    if world == 2:  # (m = 130 is the suite's one shape with 64-row blocks that 2 divides)
+        assert seen.get(("gemm_allreduce", True)), seen
+    for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
+        problems = failures_of([r.report() for r in results], family)
+        assert not problems, "\n".join(problems[:20])
 
 
 _REQUESTED = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(\d+) .* "
@@ -151,7 +177,7 @@ def test_requested_chunks_are_used(world: int, transport: str) -> None:
     for res in _worlds.results(world, transport, args_for(world, transport)):
         for op, m, agreed, proposed, requested, ring in _REQUESTED.findall(res.stderr):
             m, requested = int(m), int(requested)
-            rows = m // world if op == "gemm_reducescatter" or ring == "1" else m
+            rows = m // world if op == "gemm_reducescatter" or (op == "gemm_allreduce" and ring == "1") else m
             want = min(requested, max(rows, 1))
             assert int(proposed) == want, f"rank {res.rank}: {op} m={m} requested {requested}: proposed {proposed}"
             assert int(agreed) == want, f"rank {res.rank}: {op} m={m} requested {requested}: agreed {agreed}"
