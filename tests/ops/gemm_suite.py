@@ -217,6 +217,30 @@ def run_disagreements() -> None:
                 fn, name, "SUPERKERNEL_OPS_IN_PLACE differs", "rank 0 has 0", f"rank {world - 1} has 1"))
     finally:
         os.environ.pop("SUPERKERNEL_OPS_IN_PLACE", None)
+    if os.environ.get("SUPERKERNEL_TRANSPORT") == "tcp":  # (only read where a ring could run)
+        ring_rows = os.environ.get("SUPERKERNEL_OPS_RING_MIN_ROWS")
+        try:
+            # the ring threshold differs (rank 0 would not ring, the others would): an error everywhere
+            if rank == 0:
+                os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = "1000"
+            for name, fn in (("allgather_gemm", lambda: mk.allgather_gemm(torch.ones(64, 3), torch.ones(3, 5))),
+                             ("gemm_allreduce", lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5))),
+                             ("gemm_reducescatter",
+                              lambda: mk.gemm_reducescatter(torch.ones(64 * world, 3), torch.ones(3, 5)))):
+                check("errors", f"{name} ring threshold differs", lambda: expect_error(
+                    fn, name, "ring differs", "rank 0 has 0", f"rank {world - 1} has 1"))
+            # not a number on rank 0: rank 0 names the variable, every other rank says rank 0 rejected its call
+            if rank == 0:
+                os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = "many"
+            check("errors", "ring threshold invalid", lambda: expect_error(
+                lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5)), "gemm_allreduce",
+                "SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got 'many'" if rank == 0
+                else "rank 0 rejected its arguments"))
+        finally:
+            if ring_rows is None:
+                os.environ.pop("SUPERKERNEL_OPS_RING_MIN_ROWS", None)
+            else:
+                os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = ring_rows
 
 
 # ---------------------------------------------------------------- gradients

@@ -90,7 +90,8 @@ _lib.define("pair(Tensor x, float? f=None, int n=1, bool neg=False, str tag='') 
 _lib.define("fail(Tensor x, str why) -> Tensor")
 
 
-def _pair(x: torch.Tensor, f: float | None = None, n: int = 1, neg: bool = False, tag: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(x: torch.Tensor, f: float | None = None, n: int = 1, neg: bool = False,
+          tag: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     y = x * (2.0 if f is None else f) * n
     return (-y if neg else y), torch.tensor([float(len(tag))])
 
