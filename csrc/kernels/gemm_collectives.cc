@@ -73,29 +73,32 @@ int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d)
 // 4-row blocks made gemm_allreduce 0.65x and allgather_gemm 0.68x of unfused, bench/README.md). Below it the
 // op runs one GEMM and mk's collective, as unfused does. SUPERKERNEL_OPS_RING_MIN_ROWS sets it (every rank
 // alike: the choice is part of the argument agreement); tests set 1 to run the rings on small shapes. Read at
-// every call that may ring (as SUPERKERNEL_OPS_IN_PLACE). 0 when it is not a positive integer:
-// ring_rows_problem() then says so.
-int64_t ring_min_rows() {
+// every call that may ring (as SUPERKERNEL_OPS_IN_PLACE).
+struct RingRows {
+  bool may_ring = false;  // mk with a peer across hosts, R > 1
+  int64_t least = 0;      // the threshold (0: not read, or invalid)
+  std::string problem;    // the argument error when the variable is invalid (reported through the agreement,
+                          // so every rank raises instead of this one alone leaving the others waiting)
+  // Whether a ring whose GEMMs have `rows` rows (a block, or a shard) pays for packing b once each.
+  bool pays(int64_t rows) const { return may_ring && least > 0 && rows >= least; }
+};
+
+RingRows ring_rows(const Group& g, const Pipeline& p) {
+  RingRows rr;
+  rr.may_ring = g.size > 1 && g.is_mk() && p.over_tcp();
+  if (!rr.may_ring) return rr;
   const char* v = std::getenv("SUPERKERNEL_OPS_RING_MIN_ROWS");
-  if (!v || !*v) return 64;
+  if (!v || !*v) {
+    rr.least = 64;
+    return rr;
+  }
   char* end = nullptr;
   const long long x = std::strtoll(v, &end, 10);
-  return *end == '\0' && x >= 1 ? int64_t(x) : 0;
-}
-
-// The argument error of an op that may ring (mk, a peer across hosts) when SUPERKERNEL_OPS_RING_MIN_ROWS is
-// invalid on this rank, else "": reported through the agreement, so every rank raises instead of this one
-// alone leaving the others waiting.
-std::string ring_rows_problem(const Pipeline& p) {
-  if (ring_min_rows() > 0 || p.size() == 1 || !p.group().is_mk() || !p.over_tcp()) return {};
-  return c10::str("SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got '",
-                  std::getenv("SUPERKERNEL_OPS_RING_MIN_ROWS"), "'");
-}
-
-// Whether a ring's GEMMs of `rows` rows (a block, or a shard) pay for packing b once each.
-bool ring_rows_pay(int64_t rows) {
-  const int64_t least = ring_min_rows();
-  return least > 0 && rows >= least;
+  if (*end == '\0' && x >= 1)
+    rr.least = int64_t(x);
+  else
+    rr.problem = c10::str("SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got '", v, "'");
+  return rr;
 }
 
 // The step every GEMM op starts with: this rank's chunk proposal, and the agreement on the shapes (plus
@@ -271,8 +274,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.flops = 2.0 * R * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, m);
   // mk across hosts: a ring over the transport, when a shard has rows enough for a GEMM of its own
-  if (err.empty()) err = ring_rows_problem(p);
-  const bool ring = err.empty() && R > 1 && g.is_mk() && p.over_tcp() && ring_rows_pay(m);
+  const RingRows rr = ring_rows(g, p);
+  if (err.empty()) err = rr.problem;
+  const bool ring = err.empty() && rr.pays(m);
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true}});
@@ -317,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
       gathered = return_gathered ? at::empty({R * m, k}, a.options()) : scratch(R * m, k, a.options());
     return gathered;
   };
-  if (return_gathered || m == 0) gathered_buffer();
+  if (return_gathered) gathered_buffer();
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
   if (R > 1 && !ring) {
     // Other backends, mk on one host, and mk across hosts with shards too small for a ring: collectives.
@@ -440,9 +444,9 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   // allgather of the reduced blocks, see ring_reducescatter), so the link never waits for a collective to be
   // issued and finished per chunk; elsewhere each chunk's allreduce is a collective.
   const int R = g.size;
-  if (err.empty()) err = ring_rows_problem(p);
-  const bool ring =
-      err.empty() && R > 1 && m > 0 && m % R == 0 && g.is_mk() && p.over_tcp() && ring_rows_pay(m / R);
+  const RingRows rr = ring_rows(g, p);
+  if (err.empty()) err = rr.problem;
+  const bool ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
   model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
@@ -546,8 +550,9 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // an mk collective (with the one chunk Pipeline::chunks picks there: the GEMM, then the collective on this
   // thread, as unfused). Measured on 2 ranks, one host: 256x256x256 0.93x of unfused against 0.85x as a ring,
   // 512x256x512 0.96-0.97x against 0.96-1.00x; 1024x1024x1024 0.99x against 0.79-0.94x.
-  if (err.empty()) err = ring_rows_problem(p);
-  const bool ring = g.is_mk() && R > 1 && p.over_tcp() && ring_rows_pay(mb);
+  const RingRows rr = ring_rows(g, p);
+  if (err.empty()) err = rr.problem;
+  const bool ring = rr.pays(mb);
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc_out, full;

@@ -422,7 +422,7 @@ bool Pipeline::one_host() const {
 bool Pipeline::over_tcp() const {
   if (!g_.is_mk()) return true;
   for (int q = 0; q < g_.size; ++q)
-    if (std::string(g_.comm().transport_of(q)) == "tcp") return true;
+    if (std::strcmp(g_.comm().transport_of(q), "tcp") == 0) return true;  // (on every call: no string built)
   return false;
 }
 
