@@ -37,10 +37,10 @@ RequestPtr Comm::isend(int peer, uint64_t tag, const void* buf, size_t len, uint
   return route_[size_t(peer)]->isend(peer, tag, buf, len, check);
 }
 
-RequestPtr Comm::irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t check) {
+RequestPtr Comm::irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t check, bool up_to) {
   if (peer != kAnySource && (peer < 0 || peer >= size_ || peer == rank_))
     throw Error(cat("mk recv: rank ", rank_, ": invalid source rank ", peer, " (group size ", size_, ")"));
-  auto r = matcher_.post_recv(peer, tag, buf, len, check);
+  auto r = matcher_.post_recv(peer, tag, buf, len, check, up_to);
   if (peer != kAnySource && !route_[size_t(peer)]->peer_alive(peer))
     matcher_.fail_source(peer, cat("rank ", rank_, ": peer ", peer, " is gone"));
   return r;

@@ -51,7 +51,8 @@ class Comm {
   uint64_t next_window_id() { return window_ids_.fetch_add(1); }
 
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check);
-  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t check);
+  // up_to: `len` is a capacity; any message of at most `len` bytes matches (Request::bytes() tells its size).
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t check, bool up_to = false);
   // Wait for a request; errors name this rank, the op and the peer.
   void wait(const RequestPtr& r, const Deadline& d, const char* op, int peer);
   // Before sleeping on request `r` with `peer`: over shm, drain and push that peer's traffic on this thread

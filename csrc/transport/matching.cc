@@ -7,8 +7,11 @@
 
 namespace mk {
 
-std::string Matcher::mismatch(const Envelope& env, size_t len, uint64_t check) const {
-  if (env.len != len)
+std::string Matcher::mismatch(const Envelope& env, size_t len, uint64_t check, bool up_to) const {
+  if (up_to && env.len > len)
+    return cat("rank ", rank_, " expected at most ", len, " bytes from peer ", env.src, " (tag ", env.tag,
+               ") but the peer sent ", env.len, " bytes");
+  if (!up_to && env.len != len)
     return cat("rank ", rank_, " expected ", len, " bytes from peer ", env.src, " (tag ", env.tag,
                ") but the peer sent ", env.len, " bytes: the ranks disagree on the size of the operation");
   if (env.check != check)
@@ -30,7 +33,7 @@ ArrivalPtr Matcher::arrive(const Envelope& env) {
     if (it != posted_.end()) {
       Posted p = *it;
       posted_.erase(it);
-      why = mismatch(env, p.len, p.check);
+      why = mismatch(env, p.len, p.check, p.up_to);
       if (why.empty()) {
         a->req = p.req;
         a->dst = static_cast<char*>(p.buf);  // the payload goes straight into the user's buffer
@@ -58,7 +61,7 @@ void Matcher::delivered(const ArrivalPtr& a) {
   if (req) req->complete(a->env.len, a->env.src);
 }
 
-RequestPtr Matcher::post_recv(int src, uint64_t tag, void* buf, size_t len, uint64_t check) {
+RequestPtr Matcher::post_recv(int src, uint64_t tag, void* buf, size_t len, uint64_t check, bool up_to) {
   auto req = std::make_shared<Request>();
   ArrivalPtr ready;
   {
@@ -67,12 +70,12 @@ RequestPtr Matcher::post_recv(int src, uint64_t tag, void* buf, size_t len, uint
       return (src == a->env.src || src == kAnySource) && a->env.tag == tag;
     });
     if (it == unexpected_.end()) {
-      posted_.push_back(Posted{src, tag, buf, len, check, req});
+      posted_.push_back(Posted{src, tag, buf, len, check, up_to, req});
       return req;
     }
     ArrivalPtr a = *it;
     unexpected_.erase(it);
-    if (std::string bad = mismatch(a->env, len, check); !bad.empty()) {
+    if (std::string bad = mismatch(a->env, len, check, up_to); !bad.empty()) {
       req->fail(bad);
       return req;
     }

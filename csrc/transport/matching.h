@@ -42,8 +42,9 @@ class Matcher {
   ArrivalPtr arrive(const Envelope& env);
   // Called by a provider when the payload of `a` is completely in a->dst.
   void delivered(const ArrivalPtr& a);
-  // Post a receive; src may be kAnySource.
-  RequestPtr post_recv(int src, uint64_t tag, void* buf, size_t len, uint64_t check);
+  // Post a receive; src may be kAnySource. With `up_to`, `len` is the buffer's capacity and any message of at
+  // most `len` bytes matches (the request's bytes() says how many came); otherwise the sizes must be equal.
+  RequestPtr post_recv(int src, uint64_t tag, void* buf, size_t len, uint64_t check, bool up_to = false);
   // The provider lost a message mid-payload (peer died): fail the recv it was matched to, if any.
   void abandon(const ArrivalPtr& a, const std::string& why);
   // Withdraw a posted recv that has not matched yet (its waiter gave up): it fails with `why`.
@@ -60,9 +61,10 @@ class Matcher {
     void* buf;
     size_t len;
     uint64_t check;
+    bool up_to;
     RequestPtr req;
   };
-  std::string mismatch(const Envelope& env, size_t len, uint64_t check) const;
+  std::string mismatch(const Envelope& env, size_t len, uint64_t check, bool up_to) const;
 
   const int rank_;
   std::mutex mu_;
