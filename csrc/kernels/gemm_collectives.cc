@@ -22,6 +22,9 @@
 //       rank's rows of that chunk; the reduce-scatter of chunk i overlaps the products of chunk i+1.
 // The rings across hosts need blocks of at least SUPERKERNEL_OPS_RING_MIN_ROWS rows (64; m for allgather_gemm,
 // m / R for the other two): below that the ops take the collective path (one GEMM, then mk's collective).
+// Smaller still (at most SUPERKERNEL_OPS_CARRY_BYTES sent by a rank in all, 64 KiB; see CarryLimit), with an
+// automatic chunk count, the payload travels inside the argument agreement's messages (allgather_gemm its
+// shard, the other two their partial products, computed first), so the call makes one exchange, not two.
 // The in-place paths on one host need a row to fit in a staging slot (SUPERKERNEL_SHM_CHUNK, 1 MiB); wider
 // rows use ProcessGroupMK's collectives as other backends use theirs. They save the staging copy an unfused
 // composition makes (measured on 2 ranks: see bench/README.md).
@@ -31,6 +34,7 @@
 // Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
 // are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically (one
 // chunk when every peer is on this host: see Pipeline::chunks; the in-place paths then chunk by slot).
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
@@ -83,22 +87,49 @@ struct RingRows {
   bool pays(int64_t rows) const { return may_ring && least > 0 && rows >= least; }
 };
 
+// An integer environment variable of at least `least` (`fallback` when unset or empty); an invalid value sets
+// `problem` (an argument error, reported through the agreement) and gives 0.
+int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (*end == '\0' && x >= least) return int64_t(x);
+  problem = c10::str(name, " must be ", least == 0 ? "a non-negative" : "a positive", " integer, got '", v, "'");
+  return 0;
+}
+
 RingRows ring_rows(const Group& g, const Pipeline& p) {
   RingRows rr;
   rr.may_ring = g.size > 1 && g.is_mk() && p.over_tcp();
-  if (!rr.may_ring) return rr;
-  const char* v = std::getenv("SUPERKERNEL_OPS_RING_MIN_ROWS");
-  if (!v || !*v) {
-    rr.least = 64;
-    return rr;
-  }
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  if (*end == '\0' && x >= 1)
-    rr.least = int64_t(x);
-  else
-    rr.problem = c10::str("SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got '", v, "'");
+  if (rr.may_ring) rr.least = env_integer("SUPERKERNEL_OPS_RING_MIN_ROWS", 64, 1, rr.problem);
   return rr;
+}
+
+// Small calls between hosts (mk over tcp): the whole payload travels inside the argument agreement's messages
+// (group.h's Carried), so the call makes one exchange instead of the agreement's round trip followed by the
+// collective's (2 namespace hosts at 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused, where the
+// agreement's extra round trip was the difference; bench/README.md). Taken when this rank sends at most
+// SUPERKERNEL_OPS_CARRY_BYTES (64 KiB; 0 turns it off) to all peers together, and at most kCarryMax to each,
+// with an automatic chunk count; the op then uses it only if every rank carried its part (decided from the
+// exchanged descriptors, so alike everywhere; otherwise its usual path, and what came along is dropped). Direct
+// sends to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank against a ring's
+// 2 (R - 1) / R m n, which the limit on the total keeps small.
+struct CarryLimit {
+  bool may_carry = false;  // mk with a peer across hosts, R > 1
+  int64_t total = 0;       // the limit (0: off, not read, or invalid)
+  std::string problem;     // the argument error when the variable is invalid
+  // Whether a call that sends `per_peer` bytes to each of the other R - 1 ranks carries them.
+  bool fits(int R, int64_t per_peer) const {
+    return may_carry && per_peer > 0 && size_t(per_peer) <= kCarryMax && int64_t(R - 1) * per_peer <= total;
+  }
+};
+
+CarryLimit carry_limit(const Group& g, const Pipeline& p) {
+  CarryLimit cl;
+  cl.may_carry = g.size > 1 && g.is_mk() && p.over_tcp();
+  if (cl.may_carry) cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(kCarryMax), 0, cl.problem);
+  return cl;
 }
 
 // The step every GEMM op starts with: this rank's chunk proposal, and the agreement on the shapes (plus
@@ -109,17 +140,18 @@ class GemmAgreement {
  public:
   GemmAgreement(Pipeline& p, const at::Tensor& a, const char* k_name, bool k_must_match, int64_t m, int64_t k,
                 int64_t n, bool n_must_match, int64_t requested, ChunkModel model, const std::string& err,
-                std::vector<Field> extra = {})
+                std::vector<Field> extra = {}, Carried carried = {})
       : p_(p), dtype_(a.scalar_type()), k_name_(k_name), m_(m), k_(k), n_(n), requested_(requested) {
     model.dtype = a.scalar_type();
-    proposal_ = err.empty() ? p.chunks(requested, model) : 1;
+    // (a call that carries its payload has no chunks: 1 if it falls back, without consulting the tuner)
+    proposal_ = err.empty() && carried.bytes == 0 ? p.chunks(requested, model) : 1;
     std::vector<Field> fields{{"m", m}, {k_name, k, k_must_match}, {"n", n, n_must_match},
                               {"dtype", dtype_code(a.scalar_type())}};
     fields.insert(fields.end(), extra.begin(), extra.end());
     fields.push_back({"SUPERKERNEL_OPS_IN_PLACE", int64_t(p.in_place_allowed()), true});
     fields.push_back({"chunks", proposal_, false});
     for (const auto& f : extra) extra_ += c10::str(" ", f.name, "=", f.value);
-    agreement_.emplace(p.start_agree(std::move(fields), err));
+    agreement_.emplace(p.start_agree(std::move(fields), err, std::move(carried)));
   }
   // This rank's own proposal (the agreed count is rank 0's; they differ only when ranks request different ones).
   int64_t proposal() const { return proposal_; }
@@ -132,12 +164,17 @@ class GemmAgreement {
   int64_t chunks() {
     all_ = agreement_->result();
     const int64_t C = all_[0].back();
-    p_.use_chunks(C);
+    // (a carried call has no chunks: its time says nothing about the chunk count the tuner proposed)
+    p_.use_chunks(carried() ? 0 : C);
     p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
              requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
-             agreement_->on_board() ? " agreement=board" : "");
+             agreement_->on_board() ? " agreement=board" : "", carried() ? " carried" : "");
     return C;
   }
+  // After chunks(): every rank's payload came inside the agreement (see CarryLimit).
+  bool carried() const { return agreement_->carried(); }
+  // ... and rank q's part of it (q != this rank), `bytes` as this rank carried.
+  const void* carried_from(int q) const { return agreement_->carried_from(q); }
 
  private:
   Pipeline& p_;
@@ -277,16 +314,26 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && rr.pays(m);
-  // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
-  GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
-                   {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true}});
+  const CarryLimit cl = carry_limit(g, p);
+  if (err.empty()) err = cl.problem;
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
   at::Tensor a, b = b_in, c;
   auto prepare = [&] {
+    if (a.defined()) return;
     a = a_in.contiguous();
     c = at::empty({R * m, n}, a.options());
   };
+  // A small shard travels inside the agreement (its bytes to every peer).
+  Carried carried;
+  if (err.empty() && chunks == 0 && cl.fits(R, m * k * a_in.element_size())) {
+    prepare();
+    carried = {size_t(m * k * a.element_size()), [&a](int) { return a.data_ptr(); }};
+  }
+  // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
+  GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
+                   {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true}},
+                   std::move(carried));
   // Other backends on CPU (Gloo): the agreement is a collective of its own (an allgather of 384 B took
   // 343 us on Gloo here, as long as a 256^3 product), so this rank's own rows are multiplied while it
   // travels. Not on mk, where the agreement costs microseconds and splitting the GEMM in two measured slower
@@ -311,7 +358,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     at::mm_out(own, src, b);
   }
   const int64_t C = ga.chunks();
-  if (!early_own) prepare();
+  prepare();
   const bool own_done = early_own && C == 1;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer, which
   // the in-place path below never needs)
@@ -323,6 +370,18 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   };
   if (return_gathered) gathered_buffer();
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  if (ga.carried()) {  // every shard came with the agreement: one GEMM over all rows, as after an allgather
+    gathered_buffer();
+    for (int q = 0; q < R; ++q) {
+      at::Tensor dst = gathered.narrow(0, q * m, m);
+      if (q == r)
+        dst.copy_(a);
+      else
+        copy_bytes(dst.data_ptr(), ga.carried_from(q), size_t(m * k * a.element_size()));
+    }
+    at::mm_out(c, gathered, b);
+    return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  }
   if (R > 1 && !ring) {
     // Other backends, mk on one host, and mk across hosts with shards too small for a ring: collectives.
     // One chunk: one allgather of the shards into `gathered` (on this thread, as unfused), then one GEMM over
@@ -448,27 +507,50 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
   model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
-  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
+  const CarryLimit cl = carry_limit(g, p);
+  if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc;
   auto prepare = [&] {
+    if (a.defined()) return;
     a = a_in.contiguous();
     b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
+  // A small product is computed first and travels inside the agreement (the whole of it to every peer).
+  Carried carried;
+  const bool offer = err.empty() && chunks == 0 && m > 0 && n > 0 &&
+                     cl.fits(R, m * n * int64_t(c10::elementSize(acc_t)));
+  if (offer) {
+    prepare();
+    at::mm_out(acc, half ? a.to(acc_t) : a, b);
+    carried = {size_t(acc.nbytes()), [&acc](int) { return acc.data_ptr(); }};
+  }
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
+                   std::move(carried));
   // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
   const bool slots_fit = err.empty() && !ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
   // One chunk planned, no ring: the whole product a_r @ b_r does not depend on the agreed chunk count, so it
   // is computed while the agreement travels (if rank 0 asked for more chunks, they are reduced from it).
-  const bool early = err.empty() && !ring && !slots_fit && ga.proposal() == 1 && m > 0 && n > 0;
-  if (early) {
+  // (a product computed to be carried is that product, whatever the path)
+  const bool early = offer || (err.empty() && !ring && !slots_fit && ga.proposal() == 1 && m > 0 && n > 0);
+  if (early && !offer) {
     prepare();
     at::mm_out(acc, half ? a.to(acc_t) : a, b);
     p.publish(acc);
   }
   const int64_t C = ga.chunks();
+  if (ga.carried()) {  // every rank's product came with the agreement: summed in rank order, alike everywhere
+    at::Tensor sum = at::empty({m, n}, acc.options());
+    auto part = [&](int q) {
+      return q == g.rank ? acc : at::from_blob(const_cast<void*>(ga.carried_from(q)), {m, n}, acc.options());
+    };
+    at::add_out(sum, part(0), part(1));
+    for (int q = 2; q < R; ++q) sum.add_(part(q));
+    return half ? sum.to(a_in.scalar_type()) : sum;
+  }
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, row_bytes, 1, C) : 0;
   const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n);
   if (!early) prepare();
@@ -553,22 +635,38 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = rr.pays(mb);
-  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}});
+  const CarryLimit cl = carry_limit(g, p);
+  if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc_out, full;
   auto prepare = [&] {
+    if (a.defined()) return;
     a = a_in.contiguous();
     b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
+  // Small blocks: the whole product is computed first and block q of it travels to rank q inside the agreement.
+  Carried carried;
+  const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 &&
+                     cl.fits(R, mb * n * int64_t(c10::elementSize(acc_t)));
+  if (offer) {
+    prepare();
+    full = at::empty({R, mb, n}, a.options().dtype(acc_t));
+    at::Tensor flat = full.view({m, n});
+    at::mm_out(flat, half ? a.to(acc_t) : a, b);
+    carried = {size_t(mb * n) * c10::elementSize(acc_t), [&full](int q) { return full.select(0, q).data_ptr(); }};
+  }
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
+                   std::move(carried));
   // mk on one host: each block's products are written straight into the shm staging slots (no copy in),
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
   const bool slots_fit = err.empty() && !ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
   // One chunk planned, no ring: every rank's block of partial sums (the whole a_r @ b_r, [R, mb, n]) is
   // computed while the agreement travels.
-  const bool early = err.empty() && !ring && !slots_fit && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0;
-  if (early) {
+  // (a product computed to be carried is that product, whatever the path)
+  const bool early = offer || (err.empty() && !ring && !slots_fit && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0);
+  if (early && !offer) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(acc_t));
     at::Tensor flat = full.view({m, n});
@@ -576,6 +674,15 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     p.publish(full);
   }
   const int64_t C = ga.chunks();
+  if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
+    auto part = [&](int q) {
+      return q == r ? full.select(0, r)
+                    : at::from_blob(const_cast<void*>(ga.carried_from(q)), {mb, n}, acc_out.options());
+    };
+    at::add_out(acc_out, part(0), part(1));
+    for (int q = 2; q < R; ++q) acc_out.add_(part(q));
+    return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+  }
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
   // (a chunk of every row is one GEMM into the slot, else one per block)
   const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;
@@ -642,7 +749,6 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
       },
       [&](int64_t i) { stage[size_t(i)] = at::Tensor(); },
       /*depth=*/int(ranges.size()) + 1);
-  (void)r;
   return half ? acc_out.to(a_in.scalar_type()) : acc_out;
 }
 

@@ -67,12 +67,13 @@ std::string value_text(const char* field, int64_t v) {
 }
 
 // Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, host identity (hash),
-// where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers',
-// then the fields.
-constexpr int64_t kMagic = 0x6d6b616772656532;  // "mkagree2"
+// where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers', the
+// bytes of carried data that follow the descriptor in its messages (0: none), then the fields.
+constexpr int64_t kMagic = 0x6d6b616772656533;  // "mkagree3"
 constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
-constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kHead = 13;
+constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13, kHead = 14;
 constexpr size_t kWords = 48;
+constexpr size_t kDescriptorBytes = kWords * sizeof(int64_t);
 constexpr size_t kMaxFields = kWords - kHead;
 // Message tag of every agreement (bit 60: fused-op agreements; bit 61: fused-op data, pipeline.cc; bit 62:
 // windows; bit 63: collectives). One tag for all calls: a pair's messages match in call order, and a rank at
@@ -115,6 +116,9 @@ struct Agreement::State {
   std::vector<int64_t> theirs; // size * kWords (rank q at q * kWords; own row unused on mk)
   // mk
   std::vector<RequestPtr> sends, recvs;  // by peer (null for this rank)
+  std::vector<at::Tensor> inbox;         // by peer: descriptor, then up to kCarryMax bytes of carried data
+  std::vector<at::Tensor> outbox;        // messages with carried data (descriptor + data), kept until sent
+  bool carried_all = false;              // after check(): every rank carried the same nonzero byte count
   // other backends
   at::Tensor in;
   std::vector<std::vector<at::Tensor>> outs;
@@ -127,7 +131,7 @@ struct Agreement::State {
 };
 
 Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq,
-                     std::shared_ptr<AgreementBoard> board)
+                     std::shared_ptr<AgreementBoard> board, Carried carried)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.g = g;
@@ -152,6 +156,10 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   }
   for (size_t i = 0; i < s.fields.size(); ++i) s.mine[kHead + i] = s.fields[i].value;
   const int R = g.size;
+  // (carried data rides only on the transport's messages: never on the board or a backend's allgather)
+  const bool carry = R > 1 && g.is_mk() && !(s.board && s.board->active()) && carried.bytes > 0 &&
+                     carried.bytes <= kCarryMax && carried.data;
+  if (carry) s.mine[kCarried] = int64_t(carried.bytes);
   s.theirs.assign(size_t(R) * kWords, 0);
   std::copy(s.mine.begin(), s.mine.end(), s.theirs.begin() + ptrdiff_t(size_t(g.rank) * kWords));
   if (R == 1) return;
@@ -172,16 +180,37 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
     Comm& comm = g.comm();
     s.sends.resize(size_t(R));
     s.recvs.resize(size_t(R));
-    const size_t bytes = kWords * sizeof(int64_t);
+    s.inbox.resize(size_t(R));
+    // Every receive takes up to kCarryMax bytes of carried data whether or not this rank carries any: a peer
+    // may (its limit, or its arguments, differ), and its message must still be taken whole.
+    const size_t capacity = kDescriptorBytes + kCarryMax;
+    auto bytes_opts = at::TensorOptions().dtype(at::kByte);
     try {
       comm.check_usable(op);
-      for (int i = 1; i < R; ++i) {
-        const int q = (g.rank - i + R) % R;
-        s.recvs[size_t(q)] = comm.irecv(q, kTag, &s.theirs[size_t(q) * kWords], bytes, kCheck);
-      }
+      // (sends first: this rank's message is what its peers wait for; one arriving before its receive is
+      // posted waits in the matcher's unexpected queue)
+      const void* last_data = nullptr;  // (peers sent the same data share one message buffer)
       for (int i = 1; i < R; ++i) {
         const int q = (g.rank + i) % R;
-        s.sends[size_t(q)] = comm.isend(q, kTag, s.mine.data(), bytes, kCheck);
+        if (!carry) {
+          s.sends[size_t(q)] = comm.isend(q, kTag, s.mine.data(), kDescriptorBytes, kCheck);
+          continue;
+        }
+        const void* data = carried.data(q);
+        if (s.outbox.empty() || data != last_data) {
+          at::Tensor msg = at::empty({int64_t(kDescriptorBytes + carried.bytes)}, bytes_opts);
+          auto* dst = static_cast<char*>(msg.data_ptr());
+          std::memcpy(dst, s.mine.data(), kDescriptorBytes);
+          std::memcpy(dst + kDescriptorBytes, data, carried.bytes);
+          s.outbox.push_back(std::move(msg));
+          last_data = data;
+        }
+        s.sends[size_t(q)] = comm.isend(q, kTag, s.outbox.back().data_ptr(), kDescriptorBytes + carried.bytes, kCheck);
+      }
+      for (int i = 1; i < R; ++i) {
+        const int q = (g.rank - i + R) % R;
+        s.inbox[size_t(q)] = at::empty({int64_t(capacity)}, bytes_opts);
+        s.recvs[size_t(q)] = comm.irecv(q, kTag, s.inbox[size_t(q)].data_ptr(), capacity, kCheck, /*up_to=*/true);
       }
     } catch (const Error& e) {
       s.done = true;
@@ -209,6 +238,13 @@ Agreement::Agreement(Agreement&&) noexcept = default;
 bool Agreement::same_host() const { return s_ && s_->same_host; }
 
 bool Agreement::on_board() const { return s_ && s_->on_board; }
+
+bool Agreement::carried() const { return s_ && s_->carried_all; }
+
+const void* Agreement::carried_from(int q) const {
+  TORCH_CHECK(carried() && q != s_->g.rank && q >= 0 && q < s_->g.size, "mk agreement: no data carried from rank ", q);
+  return static_cast<const char*>(s_->inbox[size_t(q)].data_ptr()) + kDescriptorBytes;
+}
 
 void Agreement::on_result(std::function<void(bool)> fn) { s_->on_result = std::move(fn); }
 
@@ -249,6 +285,18 @@ bool Agreement::State::finish_mk(bool quiet) {
         throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors failed: ", e.what()));
       }
     }
+  }
+  // Each peer's descriptor into its row of `theirs`; a message whose size is not the descriptor plus the data
+  // it announces is left out (its row stays zero: check() reports a malformed descriptor).
+  for (int q = 0; q < g.size; ++q) {
+    if (!recvs[size_t(q)]) continue;
+    const auto* msg = static_cast<const char*>(inbox[size_t(q)].data_ptr());
+    const size_t got = recvs[size_t(q)]->bytes();
+    if (got < kDescriptorBytes) continue;
+    int64_t announced = 0;
+    std::memcpy(&announced, msg + kCarried * sizeof(int64_t), sizeof(announced));
+    if (announced < 0 || got != kDescriptorBytes + size_t(announced)) continue;
+    std::memcpy(&theirs[size_t(q) * kWords], msg, kDescriptorBytes);
   }
   return true;
 }
@@ -352,6 +400,8 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   std::vector<std::vector<int64_t>> all(size_t(R), std::vector<int64_t>(fields.size()));
   for (int r = 0; r < R; ++r)
     for (size_t i = 0; i < fields.size(); ++i) all[size_t(r)][i] = row(r)[kHead + i];
+  carried_all = mine[kCarried] > 0;
+  for (int r = 0; r < R; ++r) carried_all = carried_all && row(r)[kCarried] == mine[kCarried];
   std::string bad;  // (formatted only when a field differs: this runs on every call)
   for (size_t i = 0; i < fields.size(); ++i) {
     if (!fields[i].must_match) continue;

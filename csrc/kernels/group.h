@@ -51,6 +51,18 @@ struct Field {
   bool must_match = true;  // every rank must pass the same value (otherwise it is only exchanged)
 };
 
+// Data that travels inside this rank's agreement message to each peer (mk, when the descriptors go over the
+// transport, not the board): a tiny call's operand or partial product, so the op needs no exchange after the
+// agreement (one round trip instead of two). `bytes` is the same for every peer, at most kCarryMax; `data(q)`
+// is what goes to peer q (read while the Agreement is constructed: the message is a copy).
+struct Carried {
+  size_t bytes = 0;
+  std::function<const void*(int peer)> data;
+};
+// Every agreement receive over the transport accepts this much carried data from any peer (so ranks whose
+// limits differ still exchange whole messages; see Agreement::carried()).
+constexpr size_t kCarryMax = size_t(64) << 10;
+
 // The cross-rank agreement in flight. Constructing it sends this rank's descriptor (the op's name, its call
 // number `seq` on this group, the fields, and whether its own argument check passed) and posts the receives
 // of every other rank's; result() waits for them and checks. Between the two the caller may compute
@@ -63,13 +75,16 @@ struct Field {
 // result() throws on every rank, naming the op: with this rank's own error (`local_error`); "rank X rejected
 // its arguments"; the ranks are at different fused-op calls (another op name or call number: every rank must
 // call the same fused ops in the same order); or the must_match fields that differ, with each rank's value.
-// Returns all ranks' values: result[r][i] = rank r's fields[i].value. Call it once. Destroyed without a
+// Returns all ranks' values: result[r][i] = rank r's fields[i].value. Call it once. With `carried`, the data
+// rides along (mk, not on the board; otherwise nothing is attached) and, after result(), carried() says whether
+// every rank attached the same number of bytes (the same answer on every rank): then carried_from(q) is what
+// rank q sent to this rank. Otherwise the op runs its usual exchange (what came along is dropped). Destroyed without a
 // result() (an exception in between), it still consumes the descriptors (bounded by the group timeout), so
 // later calls on the group stay in step.
 class Agreement {
  public:
   Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq,
-            std::shared_ptr<AgreementBoard> board = nullptr);
+            std::shared_ptr<AgreementBoard> board = nullptr, Carried carried = {});
   ~Agreement();
   Agreement(Agreement&&) noexcept;
   Agreement& operator=(Agreement&&) = delete;
@@ -79,6 +94,10 @@ class Agreement {
   std::vector<std::vector<int64_t>> result();
   // The descriptors of this call travel on the group's agreement board (not as a collective).
   bool on_board() const;
+  // After result(): every rank carried its data in its agreement message (see Carried).
+  bool carried() const;
+  // After result() with carried(): the `bytes` rank q (not this rank) sent to this rank.
+  const void* carried_from(int q) const;
   // After result(): whether every rank of the group runs on this host (same host identity: hostname, boot id,
   // network namespace). Every rank gets the same answer.
   bool same_host() const;

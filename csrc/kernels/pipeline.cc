@@ -339,7 +339,7 @@ std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, con
   return start_agree(std::move(fields), local_error).result();
 }
 
-Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error) {
+Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error, Carried carried) {
   std::shared_ptr<AgreementBoard> board;
   if (g_.size > 1) {
     std::lock_guard<std::mutex> lock(states_mu());
@@ -351,7 +351,7 @@ Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& lo
     if (st.board && st.board->retired()) st.board.reset();
     board = st.board;
   }
-  Agreement a(g_, op_, std::move(fields), local_error, seq_, std::move(board));
+  Agreement a(g_, op_, std::move(fields), local_error, seq_, std::move(board), std::move(carried));
   if (!g_.is_mk()) {  // what the group's layout is, for one_host() of later calls (mk knows its transports)
     auto key = key_of(g_);
     a.on_result([key](bool same) {

@@ -218,29 +218,60 @@ def run_disagreements() -> None:
     finally:
         os.environ.pop("SUPERKERNEL_OPS_IN_PLACE", None)
     if os.environ.get("SUPERKERNEL_TRANSPORT") == "tcp":  # (only read where a ring could run)
-        ring_rows = os.environ.get("SUPERKERNEL_OPS_RING_MIN_ROWS")
-        try:
-            # the ring threshold differs (rank 0 would not ring, the others would): an error everywhere
-            if rank == 0:
-                os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = "1000"
-            for name, fn in (("allgather_gemm", lambda: mk.allgather_gemm(torch.ones(64, 3), torch.ones(3, 5))),
-                             ("gemm_allreduce", lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5))),
-                             ("gemm_reducescatter",
-                              lambda: mk.gemm_reducescatter(torch.ones(64 * world, 3), torch.ones(3, 5)))):
-                check("errors", f"{name} ring threshold differs", lambda: expect_error(
-                    fn, name, "ring differs", "rank 0 has 0", f"rank {world - 1} has 1"))
-            # not a number on rank 0: rank 0 names the variable, every other rank says rank 0 rejected its call
-            if rank == 0:
-                os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = "many"
-            check("errors", "ring threshold invalid", lambda: expect_error(
-                lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5)), "gemm_allreduce",
-                "SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got 'many'" if rank == 0
-                else "rank 0 rejected its arguments"))
-        finally:
-            if ring_rows is None:
-                os.environ.pop("SUPERKERNEL_OPS_RING_MIN_ROWS", None)
+        run_transport_rule_errors()
+
+
+RULES_CHANGED = "[gemm_suite] path rules changed"
+RULES_RESTORED = "[gemm_suite] path rules restored"
+
+
+def run_transport_rule_errors() -> None:
+    """Across hosts: SUPERKERNEL_OPS_RING_MIN_ROWS and SUPERKERNEL_OPS_CARRY_BYTES, invalid or different
+    between ranks."""
+    saved = {v: os.environ.get(v) for v in ("SUPERKERNEL_OPS_RING_MIN_ROWS", "SUPERKERNEL_OPS_CARRY_BYTES")}
+    print(RULES_CHANGED, file=sys.stderr, flush=True)  # (tests/ops/ops_world.py's gemm_paths skips these calls)
+    try:
+        # the carry limit differs (rank 0 carries nothing, the others would): no error, every rank takes the
+        # usual path and drops what came along; the results stay right
+        if rank == 0:
+            os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = "0"
+        check("errors", "carry limit differs: gemm_allreduce", lambda: gemm_allreduce_case(9, 4, 5, torch.float32, 0))
+        check("errors", "carry limit differs: gemm_reducescatter",
+              lambda: gemm_reducescatter_case(3, 4, 5, torch.float32, 0))
+        check("errors", "carry limit differs: allgather_gemm",
+              lambda: allgather_gemm_case(3, 4, 5, torch.float32, 0, True))
+        # not a number on rank 0: rank 0 names the variable, every other rank says rank 0 rejected its call
+        if rank == 0:
+            os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = "-1"
+        check("errors", "carry limit invalid", lambda: expect_error(
+            lambda: mk.gemm_reducescatter(torch.ones(2 * world, 3), torch.ones(3, 5)), "gemm_reducescatter",
+            "SUPERKERNEL_OPS_CARRY_BYTES must be a non-negative integer, got '-1'" if rank == 0
+            else "rank 0 rejected its arguments"))
+        os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = "0"  # (the small calls below would be carried)
+        check("errors", "usable after the carry limit errors", lambda: gemm_allreduce_case(9, 4, 5, torch.float32, 0))
+        # the ring threshold differs (rank 0 would not ring, the others would): an error everywhere
+        if rank == 0:
+            os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = "1000"
+        for name, fn in (("allgather_gemm", lambda: mk.allgather_gemm(torch.ones(64, 3), torch.ones(3, 5))),
+                         ("gemm_allreduce", lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5))),
+                         ("gemm_reducescatter",
+                          lambda: mk.gemm_reducescatter(torch.ones(64 * world, 3), torch.ones(3, 5)))):
+            check("errors", f"{name} ring threshold differs", lambda: expect_error(
+                fn, name, "ring differs", "rank 0 has 0", f"rank {world - 1} has 1"))
+        # not a number on rank 0: rank 0 names the variable, every other rank says rank 0 rejected its call
+        if rank == 0:
+            os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = "many"
+        check("errors", "ring threshold invalid", lambda: expect_error(
+            lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5)), "gemm_allreduce",
+            "SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got 'many'" if rank == 0
+            else "rank 0 rejected its arguments"))
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
             else:
-                os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = ring_rows
+                os.environ[var] = value
+        print(RULES_RESTORED, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- gradients

@@ -44,26 +44,48 @@ def failures_of(reports: list[dict], family: str) -> list[str]:
 
 
 _RING_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call \d+\] m=(\d+) "
-                         r"k(?:_r)?=\d+ n=\d+ .* ring=(\d)")
+                         r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=\d+ \(proposed \d+, (automatic|requested \d+)\).* "
+                         r"ring=(\d)( agreement=board)?( carried)?$", re.MULTILINE)
 
-# Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_min_rows).
-RING_ON_SMALL_SHAPES = {"SUPERKERNEL_OPS_RING_MIN_ROWS": "1"}
+# Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_rows), with
+# carrying off (carry_limit), which would otherwise take most of those calls.
+RING_ON_SMALL_SHAPES = {"SUPERKERNEL_OPS_RING_MIN_ROWS": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"}
+CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default (and kCarryMax, the most sent to one peer)
+_ELEMENT_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2}
 
 
-def ring_calls(stderr: str, world: int, over_tcp: bool, min_rows: int) -> list[tuple[str, int, int, bool, bool]]:
-    """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, ran the transport ring,
-    should have). The rule: with a peer over TCP, gemm_reducescatter rings when its blocks (m / R rows) have
-    ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default), gemm_allreduce when moreover the world
-    size divides m (m > 0), allgather_gemm when a shard has ``min_rows`` rows; with every peer on this host none
-    does."""
+def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
+               carry_bytes: int = 0) -> list[tuple[str, int, int, str, str]]:
+    """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, the path it took,
+    the path it should have), a path being "carried", "ring" or "collective". With a peer over TCP:
+    carried when the chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its
+    shard, m k elements; gemm_allreduce its whole fp32 product, m n; gemm_reducescatter one fp32 block,
+    m / R n) are at most 64 KiB and, times R - 1, at most ``carry_bytes`` (SUPERKERNEL_OPS_CARRY_BYTES);
+    else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows
+    (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default), gemm_allreduce's when moreover R divides m (m > 0),
+    allgather_gemm's shard has ``min_rows`` rows. With every peer on this host: the collective paths."""
     calls = []
-    for op, rank, m, ring in _RING_TRACE.findall(stderr):
-        m = int(m)
+    # (calls made while gemm_suite.py's rule checks had changed the variables on some rank are left out)
+    stderr = re.sub(r"\[gemm_suite\] path rules changed.*?\[gemm_suite\] path rules restored", "", stderr,
+                    flags=re.DOTALL)
+    traced = re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.*$", stderr,
+                        flags=re.MULTILINE)
+    unread = [line for line in traced if not _RING_TRACE.fullmatch(line)]
+    assert not unread, f"trace lines gemm_paths cannot read: {unread[:3]}"
+    for op, rank, m, k, n, dtype, chunks, ring, _board, carried in _RING_TRACE.findall(stderr):
+        m, k, n = int(m), int(k), int(n)
         if op == "allgather_gemm":
-            want = world > 1 and m >= min_rows
+            want_ring = world > 1 and m >= min_rows
+            per_peer = m * k * _ELEMENT_BYTES[dtype]
         elif op == "gemm_reducescatter":
-            want = m // world >= min_rows
+            want_ring = m // world >= min_rows
+            per_peer = m // world * n * 4
         else:
-            want = m > 0 and m % world == 0 and m // world >= min_rows
-        calls.append((op, int(rank), m, ring == "1", over_tcp and want))
+            want_ring = m > 0 and m % world == 0 and m // world >= min_rows
+            per_peer = m * n * 4
+        want_carried = (world > 1 and chunks == "automatic" and 0 < per_peer <= CARRY_BYTES
+                        and (world - 1) * per_peer <= carry_bytes)
+        took = "carried" if carried else "ring" if ring == "1" else "collective"
+        want = "carried" if over_tcp and want_carried else "ring" if over_tcp and want_ring else "collective"
+        calls.append((op, int(rank), m, took, want))
     return calls

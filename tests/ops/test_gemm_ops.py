@@ -8,16 +8,19 @@ import re
 
 import pytest
 
-from tests.ops.ops_world import (HERE, MK_WORLDS, RING_ON_SMALL_SHAPES, WorldCache, failures_of,
-                                 ring_calls)
+from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES, WorldCache, failures_of,
+                                 gemm_paths)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
 # (the rings across hosts also on the suite's small shapes, whose blocks have fewer rows than the default
-# SUPERKERNEL_OPS_RING_MIN_ROWS: test_ring_rows_threshold checks the default rule)
+# SUPERKERNEL_OPS_RING_MIN_ROWS, and which would otherwise be carried in the agreement:
+# test_ring_rows_threshold checks the default ring rule, test_small_calls_carried the default rules)
 _worlds = WorldCache("gemm_suite.py", timeout=300,
                      env={"SUPERKERNEL_OPS_TRACE": "1", **RING_ON_SMALL_SHAPES})
-_default_ring_rule = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
+_ring_rule = WorldCache("gemm_suite.py", timeout=300,
+                        env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"})
+_default_rules = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
 
 
 def args_for(world: int, transport: str) -> list[str]:
@@ -129,9 +132,9 @@ def test_ring_paths(world: int, transport: str) -> None:
             if auto and transport != "tcp":
                 assert auto.group(1) == "1", f"rank {res.rank}: automatic chunk count on one host: {line}"
                 seen[("automatic", False)] = seen.get(("automatic", False), 0) + 1
-        for op, rank, m, ring, want in ring_calls(res.stderr, world, transport == "tcp", min_rows=1):
-            assert ring == want, f"rank {rank}: {op} m={m} over {transport}: ring={int(ring)}"
-            seen[(op, want)] = seen.get((op, want), 0) + 1
+        for op, rank, m, took, want in gemm_paths(res.stderr, world, transport == "tcp", min_rows=1):
+            assert took == want, f"rank {rank}: {op} m={m} over {transport}: {took}, not {want}"
+            seen[(op, want == "ring")] = seen.get((op, want == "ring"), 0) + 1
     if transport == "tcp":
         assert seen.get(("gemm_allreduce", True)) and seen.get(("gemm_allreduce", False)), seen
         assert seen.get(("gemm_reducescatter", True)), seen
@@ -145,12 +148,12 @@ def test_ring_rows_threshold(world: int) -> None:
     """With the default SUPERKERNEL_OPS_RING_MIN_ROWS (64), the rings across hosts are taken only for blocks
     of 64 rows or more (the suite's m=130 and mb=130/256 cases); smaller calls run one GEMM and mk's
     collective, and still match the float64 reference."""
-    results = _default_ring_rule.results(world, "tcp", [])
+    results = _ring_rule.results(world, "tcp", [])
     seen: dict[tuple[str, bool], int] = {}
     for res in results:
-        for op, rank, m, ring, want in ring_calls(res.stderr, world, over_tcp=True, min_rows=64):
-            assert ring == want, f"rank {rank}: {op} m={m}: ring={int(ring)} with 64-row blocks the threshold"
-            seen[(op, ring)] = seen.get((op, ring), 0) + 1
+        for op, rank, m, took, want in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64):
+            assert took == want, f"rank {rank}: {op} m={m}: {took}, not {want}, with 64-row blocks the threshold"
+            seen[(op, took == "ring")] = seen.get((op, took == "ring"), 0) + 1
     for op in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
         assert seen.get((op, False)), seen
     assert seen.get(("allgather_gemm", True)) and seen.get(("gemm_reducescatter", True)), seen
@@ -159,6 +162,32 @@ def test_ring_rows_threshold(world: int) -> None:
     for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
         problems = failures_of([r.report() for r in results], family)
         assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_small_calls_carried(world: int) -> None:
+    """Across hosts (tcp) with the default rules, a call whose payload is small (at most 64 KiB sent by each
+    rank in all) and whose chunk count is automatic carries it inside the argument agreement: one exchange
+    instead of two. Every traced call takes the path the rules give (carried, ring or collective); the carried
+    results match the float64 reference, are the same bytes on every rank, and the mismatch errors are still
+    raised on every rank with the group usable after them."""
+    results = _default_rules.results(world, "tcp", ["--errors"])
+    seen: dict[tuple[str, str], int] = {}
+    for res in results:
+        for op, rank, m, took, want in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
+                                                  carry_bytes=CARRY_BYTES):
+            assert took == want, f"rank {rank}: {op} m={m}: {took}, not {want}"
+            seen[(op, took)] = seen.get((op, took), 0) + 1
+    for op in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
+        assert seen.get((op, "carried")) and seen.get((op, "collective")), seen
+    reps = [r.report() for r in results]
+    for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "grad", "empty", "errors"):
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
+    assert reps[0]["digests"], "rank 0 recorded no digests"
+    for rep in reps[1:]:
+        differ = [k for k, v in reps[0]["digests"].items() if rep["digests"].get(k) != v]
+        assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
 
 
 _REQUESTED = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(\d+) .* "

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.netns.hosts import TwoHosts, rank_reports, run_torch_job, unavailable_reason
-from tests.ops.ops_world import HERE, RING_ON_SMALL_SHAPES, ring_calls
+from tests.ops.ops_world import CARRY_BYTES, HERE, RING_ON_SMALL_SHAPES, gemm_paths
 
 REASON = unavailable_reason()
 PER_HOST = 2
@@ -22,19 +22,21 @@ SUITES = {
     "moe_suite.py": (["dispatch", "combine", "grad", "errors"], []),
     "attention_suite.py": (["attention", "grad", "errors"], []),
 }
-_runs: dict[tuple[str, str], tuple[list[dict], list[str], tuple[int, int]]] = {}
+_runs: dict[tuple[str, str, bool], tuple[list[dict], list[str], tuple[int, int]]] = {}
 
 
-def run(suite: str, backend: str) -> tuple[list[dict], list[str], tuple[int, int]]:
-    """(every rank's REPORT, each host's stderr, bytes host a received and sent on its veth) of one job."""
-    key = (suite, backend)
+def run(suite: str, backend: str, defaults: bool = False) -> tuple[list[dict], list[str], tuple[int, int]]:
+    """(every rank's REPORT, each host's stderr, bytes host a received and sent on its veth) of one job: with
+    the rings on the suite's small shapes, or with ``defaults`` the default path rules (small calls carried
+    in the agreement)."""
+    key = (suite, backend, defaults)
     if key not in _runs:
         with TwoHosts() as hosts:
             before = hosts.a.link_bytes()
             results = run_torch_job(hosts, str(HERE / suite), ["--backend", backend, *SUITES[suite][1]],
                                     nproc_per_host=PER_HOST, timeout=600,
                                     env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_FRONTEND": "0",
-                                         **RING_ON_SMALL_SHAPES})
+                                         **({} if defaults else RING_ON_SMALL_SHAPES)})
             after = hosts.a.link_bytes()
         reports = rank_reports(results, per_host=PER_HOST)
         _runs[key] = (reports, [r.stderr for r in results], (after[0] - before[0], after[1] - before[1]))
@@ -92,8 +94,33 @@ def test_mk_takes_the_cross_host_paths() -> None:
     assert not on_board, on_board[:3]
     rings: dict[tuple[str, bool], int] = {}
     for err in stderrs:
-        for op, rank, m, ring, want in ring_calls(err, 2 * PER_HOST, over_tcp=True, min_rows=1):
-            assert ring == want, f"rank {rank}: {op} m={m} between hosts: ring={int(ring)}"
-            rings[(op, ring)] = rings.get((op, ring), 0) + 1
+        for op, rank, m, took, want in gemm_paths(err, 2 * PER_HOST, over_tcp=True, min_rows=1):
+            assert took == want, f"rank {rank}: {op} m={m} between hosts: {took}, not {want}"
+            rings[(op, took == "ring")] = rings.get((op, took == "ring"), 0) + 1
     assert rings.get(("gemm_reducescatter", True)) and rings.get(("gemm_allreduce", True)), rings
     assert rings.get(("gemm_allreduce", False)), rings
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"two namespace hosts unavailable: {REASON}")
+@pytest.mark.netns
+@pytest.mark.slow
+def test_mk_carries_small_calls_between_hosts() -> None:
+    """With the default rules, small calls carry their payload inside the agreement's messages, to the other
+    host's ranks over TCP and to this host's over shared memory: every call takes the path the rules give,
+    and the suite (float64 references, gradients, mismatch errors) passes with identical results everywhere."""
+    reports, stderrs, _ = run("gemm_suite.py", "mk", defaults=True)
+    problems = [f"rank {rep['rank']}: {family}: {f}" for rep in reports for family in SUITES["gemm_suite.py"][0]
+                for f in rep["failures"].get(family, [])]
+    assert not problems, "\n".join(problems[:20])
+    paths: dict[tuple[str, str], int] = {}
+    for err in stderrs:
+        for op, rank, m, took, want in gemm_paths(err, 2 * PER_HOST, over_tcp=True, min_rows=64,
+                                                  carry_bytes=CARRY_BYTES):
+            assert took == want, f"rank {rank}: {op} m={m} between hosts: {took}, not {want}"
+            paths[(op, took)] = paths.get((op, took), 0) + 1
+    for op in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
+        assert paths.get((op, "carried")), paths
+    first = next(rep for rep in reports if rep["rank"] == 0)
+    for rep in reports:
+        differ = [k for k, v in first["digests"].items() if rep["digests"].get(k) != v]
+        assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
