@@ -83,7 +83,8 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
             print(r.describe(), file=sys.stderr)
         print(f"######## {desc}: FAILED (see stderr)", flush=True)
         return None
-    return out_dir / f"{'collectives' if script == 'collectives.py' else 'fused'}-{tag}.json"
+    prefix = {"collectives.py": "collectives", "fused_ops.py": "fused", "op_entry.py": "op-entry"}[script]
+    return out_dir / f"{prefix}-{tag}.json"
 
 
 def summary(paths: dict[str, Path]) -> str:
@@ -111,8 +112,9 @@ def main() -> int:
     parser.add_argument("--nproc-per-host", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate before the job is killed")
     parser.add_argument("--out-dir", default=str(HERE / "results"))
-    parser.add_argument("--script", default="collectives.py", choices=["collectives.py", "fused_ops.py"],
-                        help="benchmark to run on the two hosts (fused_ops.py: fused ops vs unfused; no summary)")
+    parser.add_argument("--script", default="collectives.py", choices=["collectives.py", "fused_ops.py", "op_entry.py"],
+                        help="benchmark to run on the two hosts (fused_ops.py: fused ops vs unfused; op_entry.py: "
+                             "the fused ops' fixed cost per call, with --carry with and without carrying; no summary)")
     parser.add_argument("bench_args", nargs="*", help="options for bench/collectives.py (after --); default: "
                         + " ".join(DEFAULT_ARGS))
     args = parser.parse_args()

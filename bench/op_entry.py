@@ -6,7 +6,11 @@ torchrun script. For each GEMM op at small shapes, three ways to the same result
   through ``superkernel._C.eager_call``: arguments converted in C++, the operator called below autograd);
 * ``overload``: the wrapper's former path, kept here as the baseline: the same checks in Python, then the
   ``torch.ops.mk.<op>.default`` OpOverload called inside ``torch._C._AutoDispatchBelowAutograd()``;
-* ``unfused``: the same backend's collective and ATen's matmul back to back (as bench/fused_ops.py).
+* ``unfused``: the same backend's collective and ATen's matmul back to back (as bench/fused_ops.py);
+* with ``--carry``, also ``no-carry``: the entry with SUPERKERNEL_OPS_CARRY_BYTES=0 around the call, so the
+  payload does not travel inside the argument agreement (csrc/kernels/gemm_collectives.cc, CarryLimit): the
+  agreement's round trip, then mk's collective. Only differs from ``entry`` across hosts (mk over TCP), e.g.
+  ``python bench/netns.py --rates 1gbit --script op_entry.py -- --carry``.
 
 Two timings per case: ``loop``, back-to-back calls (rank 0's mean per call over --calls calls, after a
 barrier), and ``barrier``, a barrier before every call with the three variants in a new random order every
@@ -14,7 +18,7 @@ round (a call's time is the maximum over ranks, the table shows the median over 
 bench/fused_ops.py times, where a call starts with colder caches. Prints a table; writes JSON to
 bench/results/.
 
-    torchrun --nproc-per-node 2 bench/op_entry.py [--backend mk|gloo] [--shapes 8x8x8,64x64x64]
+    torchrun --nproc-per-node 2 bench/op_entry.py [--backend mk|gloo] [--shapes 8x8x8,64x64x64] [--carry]
 """
 from __future__ import annotations
 
@@ -47,7 +51,25 @@ def overload_call(op: torch._ops.OpOverload, *args: Any) -> Any:
         return op(*args)
 
 
-def variants(op: str, m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
+def without_carry(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn with SUPERKERNEL_OPS_CARRY_BYTES=0 (the ops read it at every call)."""
+    def call() -> Any:
+        os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = "0"
+        try:
+            return fn()
+        finally:
+            del os.environ["SUPERKERNEL_OPS_CARRY_BYTES"]
+    return call
+
+
+def variants(op: str, m: int, k: int, n: int, carry: bool) -> dict[str, Callable[[], Any]]:
+    vs = _variants(op, m, k, n)
+    if carry:
+        vs["no-carry"] = without_carry(vs["entry"])
+    return vs
+
+
+def _variants(op: str, m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
     world = dist.get_world_size()
     a, b = torch.randn(m, k), torch.randn(k, n)
     if op == "allgather_gemm":
@@ -124,43 +146,54 @@ def main() -> None:
     ap.add_argument("--shapes", default="8x8x8,64x64x64")
     ap.add_argument("--calls", type=int, default=3000, help="back-to-back calls per variant (loop)")
     ap.add_argument("--rounds", type=int, default=400, help="barrier-separated rounds (barrier)")
+    ap.add_argument("--carry", action="store_true", help="also the entry without carrying (no-carry)")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--tag", default="", help="file name tag (bench/netns.py passes one)")
+    ap.add_argument("--hosts-desc", default="", help="where the ranks run, for the header (bench/netns.py)")
     args = ap.parse_args()
+    if args.carry:
+        os.environ.pop("SUPERKERNEL_OPS_CARRY_BYTES", None)  # (entry: the default limit)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for shape in args.shapes.split(","):
         m, k, n = (int(v) for v in shape.split("x"))
         for i, op in enumerate(args.ops.split(",")):
-            vs = variants(op, m, k, n)
+            vs = variants(op, m, k, n, args.carry)
             ref = vs["unfused"]()
-            for name in ("entry", "overload"):  # the three give the same numbers (up to summation order)
+            for name in vs:  # they give the same numbers (up to summation order)
+                if name == "unfused":
+                    continue
                 torch.testing.assert_close(vs[name](), ref, rtol=1e-4, atol=1e-4)
             loop = {name: max_over_ranks(loop_us(fn, args.calls)) for name, fn in vs.items()}
             barrier = barrier_us(vs, args.rounds, seed=i)
             rows.append({"op": op, "shape": shape, "loop_us": loop, "barrier_us": barrier})
     if rank == 0:
         stamp = _dt.datetime.now(_dt.timezone.utc)
-        print(f"# fused-op entry: {world} ranks, backend {args.backend}, float32; {stamp:%Y-%m-%d %H:%M} UTC")
+        where = f", {args.hosts_desc}" if args.hosts_desc else ""
+        print(f"# fused-op entry: {world} ranks, backend {args.backend}, float32{where}; {stamp:%Y-%m-%d %H:%M} UTC")
         print("# loop: back-to-back calls, mean per call (max over ranks); barrier: a barrier before each call, "
               "median over rounds of the max over ranks")
         print("# entry = superkernel.ops wrapper (eager_call); overload = the former OpOverload path; "
-              "unfused = collective + matmul")
-        head = f"{'op':>18} | {'shape':>8} | {'timing':>7} | {'entry us':>8} | {'overload us':>11} | " \
-               f"{'unfused us':>10} | {'overload/entry':>14} | {'unfused/entry':>13}"
+              "unfused = collective + matmul" + ("; no-carry = entry, payload not carried in the agreement"
+                                                 if args.carry else ""))
+        others = [name for name in rows[0]["loop_us"] if name != "entry"]
+        head = f"{'op':>18} | {'shape':>11} | {'timing':>7} | {'entry us':>8} | " + " | ".join(
+            f"{name + ' us':>11}" for name in others) + " | " + " | ".join(f"{name + '/entry':>16}" for name in others)
         print(head)
         print("-" * len(head))
         for r in rows:
             for timing in ("loop", "barrier"):
                 t = r[f"{timing}_us"]
-                print(f"{r['op']:>18} | {r['shape']:>8} | {timing:>7} | {t['entry']:8.1f} | {t['overload']:11.1f} | "
-                      f"{t['unfused']:10.1f} | {t['overload'] / t['entry']:13.2f}x | "
-                      f"{t['unfused'] / t['entry']:12.2f}x")
+                print(f"{r['op']:>18} | {r['shape']:>11} | {timing:>7} | {t['entry']:8.1f} | "
+                      + " | ".join(f"{t[name]:11.1f}" for name in others) + " | "
+                      + " | ".join(f"{t[name] / t['entry']:15.2f}x" for name in others))
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"op-entry-{world}r-{args.backend}-{stamp:%Y%m%d-%H%M%S}.json"
+        tag = args.tag or f"{world}r-{args.backend}-{stamp:%Y%m%d-%H%M%S}"
+        path = out / f"op-entry-{tag}.json"
         path.write_text(json.dumps({"backend": args.backend, "world": world, "utc": stamp.isoformat(),
-                                    "host": os.uname().nodename, "rows": rows}, indent=1))
+                                    "host": os.uname().nodename, "hosts": args.hosts_desc, "rows": rows}, indent=1))
         print(f"wrote {path}")
     dist.destroy_process_group()
 
