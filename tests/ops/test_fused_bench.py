@@ -56,11 +56,17 @@ def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[
 @pytest.mark.parametrize("backend", ["mk", "gloo"])
 def test_op_entry_bench_runs(tmp_path: Path, backend: str) -> None:
     """bench/op_entry.py (the fused ops' call cost through the eager entry, the former OpOverload path and
-    unfused) runs on 2 ranks, checks that the three give the same result, prints its table and writes JSON."""
+    unfused) runs on 2 ranks, checks that the three give the same result, prints its table and writes JSON. On
+    mk over TCP with --carry, also without carrying the payload in the agreement (no-carry)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
             str(ROOT / "bench" / "op_entry.py"), "--backend", backend, "--shapes", "8x8x8", "--calls", "5",
             "--rounds", "3", "--out-dir", str(tmp_path)]
+    names = {"entry", "overload", "unfused"}
+    if backend == "mk":
+        argv.append("--carry")
+        env["SUPERKERNEL_TRANSPORT"] = "tcp"
+        names.add("no-carry")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "overload/entry" in proc.stdout, proc.stdout[-3000:]
@@ -69,4 +75,4 @@ def test_op_entry_bench_runs(tmp_path: Path, backend: str) -> None:
     assert {r["op"] for r in rows} == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}
     for r in rows:
         for timing in ("loop_us", "barrier_us"):
-            assert set(r[timing]) == {"entry", "overload", "unfused"} and all(v > 0 for v in r[timing].values()), r
+            assert set(r[timing]) == names and all(v > 0 for v in r[timing].values()), r
