@@ -106,17 +106,19 @@ RingRows ring_rows(const Group& g, const Pipeline& p) {
   return rr;
 }
 
-// Small calls between hosts (mk over tcp): the whole payload travels inside the argument agreement's messages
-// (group.h's Carried), so the call makes one exchange instead of the agreement's round trip followed by the
-// collective's (2 namespace hosts at 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused, where the
-// agreement's extra round trip was the difference; bench/README.md). Taken when this rank sends at most
-// SUPERKERNEL_OPS_CARRY_BYTES (64 KiB; 0 turns it off) to all peers together, and at most kCarryMax to each,
-// with an automatic chunk count; the op then uses it only if every rank carried its part (decided from the
-// exchanged descriptors, so alike everywhere; otherwise its usual path, and what came along is dropped). Direct
-// sends to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank against a ring's
-// 2 (R - 1) / R m n, which the limit on the total keeps small.
+// Small calls: the whole payload travels inside the argument agreement's messages (group.h's Carried), so the
+// call makes one exchange instead of the agreement's round trip followed by the collective's (2 namespace
+// hosts at 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused on mk, 0.41x on Gloo, where the
+// agreement's extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other
+// backends with CPU tensors (where the agreement is an allgather: the data rides from the second call of the
+// op with that payload size on, see Carried::room; on one host the board soon takes the agreement instead).
+// Taken when this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (64 KiB; 0 turns it off) to all peers
+// together, and at most kCarryMax to each, with an automatic chunk count; the op then uses it only if every
+// rank carried its part (decided from the exchanged descriptors, so alike everywhere; otherwise its usual
+// path, and what came along is dropped). Direct sends to every peer: gemm_allreduce's partial products cost
+// (R - 1) m n per rank against a ring's 2 (R - 1) / R m n, which the limit on the total keeps small.
 struct CarryLimit {
-  bool may_carry = false;  // mk with a peer across hosts, R > 1
+  bool may_carry = false;  // R > 1, and mk with a peer across hosts or another backend on CPU
   int64_t total = 0;       // the limit (0: off, not read, or invalid)
   std::string problem;     // the argument error when the variable is invalid
   // Whether a call that sends `per_peer` bytes to each of the other R - 1 ranks carries them.
@@ -127,7 +129,7 @@ struct CarryLimit {
 
 CarryLimit carry_limit(const Group& g, const Pipeline& p) {
   CarryLimit cl;
-  cl.may_carry = g.size > 1 && g.is_mk() && p.over_tcp();
+  cl.may_carry = g.size > 1 && (g.is_mk() ? p.over_tcp() : g.device.is_cpu());
   if (cl.may_carry) cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(kCarryMax), 0, cl.problem);
   return cl;
 }
@@ -326,9 +328,11 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   };
   // A small shard travels inside the agreement (its bytes to every peer).
   Carried carried;
-  if (err.empty() && chunks == 0 && cl.fits(R, m * k * a_in.element_size())) {
+  const bool offer = err.empty() && chunks == 0 && cl.fits(R, m * k * a_in.element_size());
+  if (offer) {
     prepare();
-    carried = {size_t(m * k * a.element_size()), [&a](int) { return a.data_ptr(); }};
+    carried.bytes = size_t(m * k * a.element_size());
+    carried.data = [&a](int) { return a.data_ptr(); };
   }
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
@@ -342,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // so the output is bitwise the same on every rank (with more chunks each block is multiplied chunk by
   // chunk everywhere, and an early product of this rank's rows is redone that way).
   const bool early_own = err.empty() && R > 1 && !g.is_mk() && a_in.device().is_cpu() && m > 0 && n > 0 &&
-                         ga.proposal() == 1;
+                         ga.proposal() == 1 && !offer;
   if (early_own) {
     prepare();
     // The GEMM's rounding can depend on where its input starts (its kernels pick paths by alignment): the
@@ -524,7 +528,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (offer) {
     prepare();
     at::mm_out(acc, half ? a.to(acc_t) : a, b);
-    carried = {size_t(acc.nbytes()), [&acc](int) { return acc.data_ptr(); }};
+    carried.bytes = size_t(acc.nbytes());
+    carried.data = [&acc](int) { return acc.data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
                    std::move(carried));
@@ -645,16 +650,19 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
-  // Small blocks: the whole product is computed first and block q of it travels to rank q inside the agreement.
+  // Small blocks: the whole product is computed first and travels inside the agreement (on mk block q of it to
+  // rank q; elsewhere, in an allgather, all of it to every rank).
   Carried carried;
-  const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 &&
-                     cl.fits(R, mb * n * int64_t(c10::elementSize(acc_t)));
+  const int64_t block_bytes = mb * n * int64_t(c10::elementSize(acc_t));
+  const int64_t carry_bytes = g.is_mk() ? block_bytes : R * block_bytes;
+  const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 && cl.fits(R, carry_bytes);
   if (offer) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(acc_t));
     at::Tensor flat = full.view({m, n});
     at::mm_out(flat, half ? a.to(acc_t) : a, b);
-    carried = {size_t(mb * n) * c10::elementSize(acc_t), [&full](int q) { return full.select(0, q).data_ptr(); }};
+    carried.bytes = size_t(carry_bytes);
+    carried.data = [&full, each = g.is_mk()](int q) { return (each ? full.select(0, q) : full).data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
                    std::move(carried));
@@ -675,9 +683,11 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   const int64_t C = ga.chunks();
   if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
+    const int64_t skip = g.is_mk() ? 0 : r * block_bytes;  // (elsewhere every rank's whole product came)
     auto part = [&](int q) {
       return q == r ? full.select(0, r)
-                    : at::from_blob(const_cast<void*>(ga.carried_from(q)), {mb, n}, acc_out.options());
+                    : at::from_blob(const_cast<char*>(static_cast<const char*>(ga.carried_from(q)) + skip), {mb, n},
+                                    acc_out.options());
     };
     at::add_out(acc_out, part(0), part(1));
     for (int q = 2; q < R; ++q) acc_out.add_(part(q));

@@ -68,10 +68,12 @@ std::string value_text(const char* field, int64_t v) {
 
 // Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, host identity (hash),
 // where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers', the
-// bytes of carried data that follow the descriptor in its messages (0: none), then the fields.
+// bytes of carried data that follow the descriptor in its messages (0: none), the bytes it would carry (other
+// backends: its proposal for the next call's room), then the fields.
 constexpr int64_t kMagic = 0x6d6b616772656533;  // "mkagree3"
 constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
-constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13, kHead = 14;
+constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13, kWant = 14;
+constexpr size_t kHead = 15;
 constexpr size_t kWords = 48;
 constexpr size_t kDescriptorBytes = kWords * sizeof(int64_t);
 constexpr size_t kMaxFields = kWords - kHead;
@@ -119,6 +121,8 @@ struct Agreement::State {
   std::vector<at::Tensor> inbox;         // by peer: descriptor, then up to kCarryMax bytes of carried data
   std::vector<at::Tensor> outbox;        // messages with carried data (descriptor + data), kept until sent
   bool carried_all = false;              // after check(): every rank carried the same nonzero byte count
+  size_t room = 0;                       // other backends: bytes after each descriptor in the allgather
+  std::function<void(size_t)> on_room;
   // other backends
   at::Tensor in;
   std::vector<std::vector<at::Tensor>> outs;
@@ -156,10 +160,14 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   }
   for (size_t i = 0; i < s.fields.size(); ++i) s.mine[kHead + i] = s.fields[i].value;
   const int R = g.size;
-  // (carried data rides only on the transport's messages: never on the board or a backend's allgather)
-  const bool carry = R > 1 && g.is_mk() && !(s.board && s.board->active()) && carried.bytes > 0 &&
-                     carried.bytes <= kCarryMax && carried.data;
+  // (carried data never rides on the board; on other backends only in the room every rank reserved alike)
+  const bool board_active = s.board && s.board->active();
+  const bool wants = R > 1 && carried.bytes > 0 && carried.bytes <= kCarryMax && carried.data;
+  const bool other_cpu = !g.is_mk() && g.device.is_cpu();
+  if (other_cpu) s.room = std::min(carried.room, kCarryMax);
+  const bool carry = wants && !board_active && (g.is_mk() || (other_cpu && carried.bytes <= s.room));
   if (carry) s.mine[kCarried] = int64_t(carried.bytes);
+  if (wants && other_cpu) s.mine[kWant] = int64_t(carried.bytes);
   s.theirs.assign(size_t(R) * kWords, 0);
   std::copy(s.mine.begin(), s.mine.end(), s.theirs.begin() + ptrdiff_t(size_t(g.rank) * kWords));
   if (R == 1) return;
@@ -220,9 +228,18 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
     return;
   }
   auto opts = at::TensorOptions().dtype(at::kLong);
-  s.in = at::from_blob(s.mine.data(), {int64_t(kWords)}, opts).to(g.device);
+  const int64_t words = int64_t(kWords + (s.room + 7) / 8);
+  if (s.room == 0) {
+    s.in = at::from_blob(s.mine.data(), {words}, opts).to(g.device);
+  } else {  // (CPU) the descriptor, then the carried data or zeros
+    s.in = at::empty({words}, opts);
+    auto* dst = static_cast<char*>(s.in.data_ptr());
+    std::memcpy(dst, s.mine.data(), kDescriptorBytes);
+    std::memset(dst + kDescriptorBytes, 0, size_t(words) * sizeof(int64_t) - kDescriptorBytes);
+    if (carry) std::memcpy(dst + kDescriptorBytes, carried.data(0), carried.bytes);
+  }
   s.outs.resize(1);
-  for (int r = 0; r < R; ++r) s.outs[0].push_back(at::empty({int64_t(kWords)}, opts.device(g.device)));
+  for (int r = 0; r < R; ++r) s.outs[0].push_back(at::empty({words}, opts.device(g.device)));
   std::vector<at::Tensor> ins{s.in};
   try {
     s.work = g.backend->allgather(s.outs, ins, c10d::AllgatherOptions());
@@ -243,8 +260,11 @@ bool Agreement::carried() const { return s_ && s_->carried_all; }
 
 const void* Agreement::carried_from(int q) const {
   TORCH_CHECK(carried() && q != s_->g.rank && q >= 0 && q < s_->g.size, "mk agreement: no data carried from rank ", q);
-  return static_cast<const char*>(s_->inbox[size_t(q)].data_ptr()) + kDescriptorBytes;
+  const at::Tensor& msg = s_->g.is_mk() ? s_->inbox[size_t(q)] : s_->outs[0][size_t(q)];
+  return static_cast<const char*>(msg.data_ptr()) + kDescriptorBytes;
 }
+
+void Agreement::on_room(std::function<void(size_t)> fn) { s_->on_room = std::move(fn); }
 
 void Agreement::on_result(std::function<void(bool)> fn) { s_->on_result = std::move(fn); }
 
@@ -347,6 +367,13 @@ void Agreement::State::receive_other() {
     at::Tensor t = outs[0][size_t(r)].cpu();
     std::memcpy(&theirs[size_t(r) * kWords], t.data_ptr<int64_t>(), kWords * sizeof(int64_t));
   }
+  // What later calls' rooms are made of: the most any rank proposed to carry (a malformed row counts 0).
+  size_t most = 0;
+  for (int r = 0; r < g.size; ++r) {
+    const int64_t* d = &theirs[size_t(r) * kWords];
+    if (d[0] == kMagic && d[kWant] > 0 && size_t(d[kWant]) <= kCarryMax) most = std::max(most, size_t(d[kWant]));
+  }
+  if (on_room) on_room(most);
 }
 
 // After a collective agreement, the next step of the board (agreement_board.h), decided from the exchanged

@@ -51,13 +51,20 @@ struct Field {
   bool must_match = true;  // every rank must pass the same value (otherwise it is only exchanged)
 };
 
-// Data that travels inside this rank's agreement message to each peer (mk, when the descriptors go over the
-// transport, not the board): a tiny call's operand or partial product, so the op needs no exchange after the
-// agreement (one round trip instead of two). `bytes` is the same for every peer, at most kCarryMax; `data(q)`
-// is what goes to peer q (read while the Agreement is constructed: the message is a copy).
+// Data that travels inside this rank's agreement message (not on the board): a tiny call's operand or partial
+// product, so the op needs no exchange after the agreement (one round trip instead of two). `bytes` is the
+// same for every peer, at most kCarryMax; `data(q)` is what goes to peer q (read while the Agreement is
+// constructed: the message is a copy).
+//   mk     point-to-point messages, each receive taking up to kCarryMax bytes of it.
+//   other  (CPU tensors) the descriptors' allgather, whose messages must have one size on every rank before
+//          anything is exchanged, even on ranks at different calls: `room` bytes after each descriptor, decided
+//          from the group's earlier agreements alone (the most any rank proposed in the last 8; Pipeline keeps
+//          it). The data rides when `bytes` fits the room (the same data to every peer: data(0)); otherwise the
+//          room is padding. Every call proposes its `bytes` for the later ones.
 struct Carried {
   size_t bytes = 0;
   std::function<const void*(int peer)> data;
+  size_t room = 0;
 };
 // Every agreement receive over the transport accepts this much carried data from any peer (so ranks whose
 // limits differ still exchange whole messages; see Agreement::carried()).
@@ -98,6 +105,9 @@ class Agreement {
   bool carried() const;
   // After result() with carried(): the `bytes` rank q (not this rank) sent to this rank.
   const void* carried_from(int q) const;
+  // Other backends: called once the descriptors are in (whether or not they match) with the most any rank
+  // proposed to carry (0: none), the same on every rank: what later calls' rooms are made of.
+  void on_room(std::function<void(size_t proposed)> fn);
   // After result(): whether every rank of the group runs on this host (same host identity: hostname, boot id,
   // network namespace). Every rank gets the same answer.
   bool same_host() const;

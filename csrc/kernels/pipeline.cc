@@ -57,11 +57,17 @@ using Lane = JobThread;
 // reference to the backend kept them running after destroy_process_group, into interpreter shutdown, where a
 // Gloo worker that released a Python-owned tensor called std::terminate. ProcessGroup releases its backends
 // when its last strong reference goes (release_resources), so they are destroyed on time.
+constexpr size_t kRoomHistory = 8;
+
 struct GroupState {
   c10::weak_intrusive_ptr<c10d::ProcessGroup> pg{c10::intrusive_ptr<c10d::ProcessGroup>()};  // whose state
   std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
+  // non-mk backends: the most any rank proposed to carry in each of the last kRoomHistory agreements on the
+  // group (the same on every rank: read from the exchanged descriptors); the next agreement's room is their
+  // maximum (group.h's Carried)
+  std::deque<size_t> proposed;
   std::shared_ptr<AgreementBoard> board;  // the agreement board (group.h, agreement_board.h), once created
   bool board_tried = false;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
@@ -350,14 +356,24 @@ Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& lo
     }
     if (st.board && st.board->retired()) st.board.reset();
     board = st.board;
+    if (!g_.is_mk()) carried.room = st.proposed.empty() ? 0 : *std::max_element(st.proposed.begin(), st.proposed.end());
   }
   Agreement a(g_, op_, std::move(fields), local_error, seq_, std::move(board), std::move(carried));
-  if (!g_.is_mk()) {  // what the group's layout is, for one_host() of later calls (mk knows its transports)
+  if (!g_.is_mk()) {
+    // what the group's layout is, for one_host() of later calls (mk knows its transports)
     auto key = key_of(g_);
     a.on_result([key](bool same) {
       std::lock_guard<std::mutex> lock(states_mu());
       auto it = states().find(key);
       if (it != states().end()) it->second.one_host = same ? 1 : 0;
+    });
+    a.on_room([key](size_t most) {
+      std::lock_guard<std::mutex> lock(states_mu());
+      auto it = states().find(key);
+      if (it == states().end()) return;
+      auto& proposed = it->second.proposed;
+      proposed.push_back(most);
+      if (proposed.size() > kRoomHistory) proposed.pop_front();
     });
   }
   return a;

@@ -21,6 +21,9 @@ _worlds = WorldCache("gemm_suite.py", timeout=300,
 _ring_rule = WorldCache("gemm_suite.py", timeout=300,
                         env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"})
 _default_rules = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
+# (Gloo agrees through its shared-memory board from the third call on one host: off, so every agreement is the
+# allgather that carries)
+_gloo_carry = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_BOARD": "0"})
 
 
 def args_for(world: int, transport: str) -> list[str]:
@@ -185,6 +188,33 @@ def test_small_calls_carried(world: int) -> None:
         problems = failures_of(reps, family)
         assert not problems, "\n".join(problems[:20])
     assert reps[0]["digests"], "rank 0 recorded no digests"
+    for rep in reps[1:]:
+        differ = [k for k, v in reps[0]["digests"].items() if rep["digests"].get(k) != v]
+        assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_small_calls_carried(world: int) -> None:
+    """On Gloo the agreement is an allgather of equal-size messages: small payloads ride in a room every rank
+    sizes alike from the group's earlier agreements (also when the ranks are at different ops, which the error
+    suite checks). Carried calls happen for every op, only with an automatic chunk count and at most 64 KiB
+    sent by a rank; results match the float64 reference, are the same bytes on every rank, and the errors are
+    raised on every rank with the group usable after them."""
+    results = _gloo_carry.results(world, "gloo", ["--errors"])
+    carried: dict[str, int] = {}
+    for res in results:
+        for line in re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.* carried$",
+                               res.stderr, flags=re.MULTILINE):
+            op, m, k, n, dtype = re.match(r"\[mk (\w+) .*\] m=(\d+) k(?:_r)?=(\d+) n=(\d+) (\w+) ", line).groups()
+            assert "automatic" in line, line
+            size = int(m) * int(k) * (4 if dtype == "Float" else 2) if op == "allgather_gemm" else int(m) * int(n) * 4
+            assert 0 < (world - 1) * size <= CARRY_BYTES, line
+            carried[op] = carried.get(op, 0) + 1
+    assert set(carried) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, carried
+    reps = [r.report() for r in results]
+    for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "grad", "empty", "errors"):
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
     for rep in reps[1:]:
         differ = [k for k, v in reps[0]["digests"].items() if rep["digests"].get(k) != v]
         assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
