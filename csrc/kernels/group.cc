@@ -259,7 +259,8 @@ bool Agreement::on_board() const { return s_ && s_->on_board; }
 bool Agreement::carried() const { return s_ && s_->carried_all; }
 
 const void* Agreement::carried_from(int q) const {
-  TORCH_CHECK(carried() && q != s_->g.rank && q >= 0 && q < s_->g.size, "mk agreement: no data carried from rank ", q);
+  TORCH_CHECK(carried() && q != s_->g.rank && q >= 0 && q < s_->g.size, "mk ", s_->op, ": rank ", s_->g.rank,
+              ": no data carried from rank ", q, " in the argument agreement");
   const at::Tensor& msg = s_->g.is_mk() ? s_->inbox[size_t(q)] : s_->outs[0][size_t(q)];
   return static_cast<const char*>(msg.data_ptr()) + kDescriptorBytes;
 }

@@ -83,9 +83,9 @@ constexpr size_t kCarryMax = size_t(64) << 10;
 // its arguments"; the ranks are at different fused-op calls (another op name or call number: every rank must
 // call the same fused ops in the same order); or the must_match fields that differ, with each rank's value.
 // Returns all ranks' values: result[r][i] = rank r's fields[i].value. Call it once. With `carried`, the data
-// rides along (mk, not on the board; otherwise nothing is attached) and, after result(), carried() says whether
-// every rank attached the same number of bytes (the same answer on every rank): then carried_from(q) is what
-// rank q sent to this rank. Otherwise the op runs its usual exchange (what came along is dropped). Destroyed without a
+// rides along (see Carried: never on the board) and, after result(), carried() says whether every rank
+// attached the same number of bytes (the same answer on every rank): then carried_from(q) is what rank q sent
+// to this rank. Otherwise the op runs its usual exchange (what came along is dropped). Destroyed without a
 // result() (an exception in between), it still consumes the descriptors (bounded by the group timeout), so
 // later calls on the group stay in step.
 class Agreement {

@@ -113,7 +113,7 @@ class Pipeline {
   // The same, started now and checked by the returned Agreement's result(): compute that needs only this
   // rank's own (locally checked) arguments can run in between and hide the exchange. No communication of
   // the op may start before result() returned. `carried`: data sent inside the agreement's messages (group.h's
-  // Carried; attached only where the descriptors cross the transport).
+  // Carried: over mk's transport, or in another backend's allgather of CPU descriptors; never on the board).
   Agreement start_agree(std::vector<Field> fields, const std::string& local_error, Carried carried = {});
 
   // This rank's proposal for the chunk count: `requested` > 0 wins (clamped to [1, max_chunks]); 0 picks

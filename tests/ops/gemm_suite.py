@@ -221,6 +221,15 @@ def run_disagreements() -> None:
         run_transport_rule_errors()
 
 
+def invalid_on_rank0(name: str, var: str, value: str, kind: str, op: str, call) -> None:
+    """``var`` set to an invalid ``value`` on rank 0 only: rank 0 names the variable, every other rank says
+    rank 0 rejected its call (the caller restores the variable)."""
+    if rank == 0:
+        os.environ[var] = value
+    check("errors", name, lambda: expect_error(
+        call, op, f"{var} must be {kind} integer, got '{value}'" if rank == 0 else "rank 0 rejected its arguments"))
+
+
 RULES_CHANGED = "[gemm_suite] path rules changed"
 RULES_RESTORED = "[gemm_suite] path rules restored"
 
@@ -240,13 +249,8 @@ def run_transport_rule_errors() -> None:
               lambda: gemm_reducescatter_case(3, 4, 5, torch.float32, 0))
         check("errors", "carry limit differs: allgather_gemm",
               lambda: allgather_gemm_case(3, 4, 5, torch.float32, 0, True))
-        # not a number on rank 0: rank 0 names the variable, every other rank says rank 0 rejected its call
-        if rank == 0:
-            os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = "-1"
-        check("errors", "carry limit invalid", lambda: expect_error(
-            lambda: mk.gemm_reducescatter(torch.ones(2 * world, 3), torch.ones(3, 5)), "gemm_reducescatter",
-            "SUPERKERNEL_OPS_CARRY_BYTES must be a non-negative integer, got '-1'" if rank == 0
-            else "rank 0 rejected its arguments"))
+        invalid_on_rank0("carry limit invalid", "SUPERKERNEL_OPS_CARRY_BYTES", "-1", "a non-negative",
+                         "gemm_reducescatter", lambda: mk.gemm_reducescatter(torch.ones(2 * world, 3), torch.ones(3, 5)))
         os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = "0"  # (the small calls below would be carried)
         check("errors", "usable after the carry limit errors", lambda: gemm_allreduce_case(9, 4, 5, torch.float32, 0))
         # the ring threshold differs (rank 0 would not ring, the others would): an error everywhere
@@ -258,13 +262,8 @@ def run_transport_rule_errors() -> None:
                           lambda: mk.gemm_reducescatter(torch.ones(64 * world, 3), torch.ones(3, 5)))):
             check("errors", f"{name} ring threshold differs", lambda: expect_error(
                 fn, name, "ring differs", "rank 0 has 0", f"rank {world - 1} has 1"))
-        # not a number on rank 0: rank 0 names the variable, every other rank says rank 0 rejected its call
-        if rank == 0:
-            os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"] = "many"
-        check("errors", "ring threshold invalid", lambda: expect_error(
-            lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5)), "gemm_allreduce",
-            "SUPERKERNEL_OPS_RING_MIN_ROWS must be a positive integer, got 'many'" if rank == 0
-            else "rank 0 rejected its arguments"))
+        invalid_on_rank0("ring threshold invalid", "SUPERKERNEL_OPS_RING_MIN_ROWS", "many", "a positive",
+                         "gemm_allreduce", lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5)))
     finally:
         for var, value in saved.items():
             if value is None:
