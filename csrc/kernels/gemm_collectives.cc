@@ -87,17 +87,6 @@ struct RingRows {
   bool pays(int64_t rows) const { return may_ring && least > 0 && rows >= least; }
 };
 
-// An integer environment variable of at least `least` (`fallback` when unset or empty); an invalid value sets
-// `problem` (an argument error, reported through the agreement) and gives 0.
-int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  if (*end == '\0' && x >= least) return int64_t(x);
-  problem = c10::str(name, " must be ", least == 0 ? "a non-negative" : "a positive", " integer, got '", v, "'");
-  return 0;
-}
 
 RingRows ring_rows(const Group& g, const Pipeline& p) {
   RingRows rr;
@@ -106,33 +95,6 @@ RingRows ring_rows(const Group& g, const Pipeline& p) {
   return rr;
 }
 
-// Small calls: the whole payload travels inside the argument agreement's messages (group.h's Carried), so the
-// call makes one exchange instead of the agreement's round trip followed by the collective's (2 namespace
-// hosts at 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused on mk, 0.41x on Gloo, where the
-// agreement's extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other
-// backends with CPU tensors (where the agreement is an allgather: the data rides from the second call of the
-// op with that payload size on, see Carried::room; on one host the board soon takes the agreement instead).
-// Taken when this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (64 KiB; 0 turns it off) to all peers
-// together, and at most kCarryMax to each, with an automatic chunk count; the op then uses it only if every
-// rank carried its part (decided from the exchanged descriptors, so alike everywhere; otherwise its usual
-// path, and what came along is dropped). Direct sends to every peer: gemm_allreduce's partial products cost
-// (R - 1) m n per rank against a ring's 2 (R - 1) / R m n, which the limit on the total keeps small.
-struct CarryLimit {
-  bool may_carry = false;  // R > 1, and mk with a peer across hosts or another backend on CPU
-  int64_t total = 0;       // the limit (0: off, not read, or invalid)
-  std::string problem;     // the argument error when the variable is invalid
-  // Whether a call that sends `per_peer` bytes to each of the other R - 1 ranks carries them.
-  bool fits(int R, int64_t per_peer) const {
-    return may_carry && per_peer > 0 && size_t(per_peer) <= kCarryMax && int64_t(R - 1) * per_peer <= total;
-  }
-};
-
-CarryLimit carry_limit(const Group& g, const Pipeline& p) {
-  CarryLimit cl;
-  cl.may_carry = g.size > 1 && (g.is_mk() ? p.over_tcp() : g.device.is_cpu());
-  if (cl.may_carry) cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(kCarryMax), 0, cl.problem);
-  return cl;
-}
 
 // The step every GEMM op starts with: this rank's chunk proposal, and the agreement on the shapes (plus
 // `extra` fields) started. chunks() finishes it: either every rank proceeds with rank 0's chunk count or every
@@ -175,8 +137,14 @@ class GemmAgreement {
   }
   // After chunks(): every rank's payload came inside the agreement (see CarryLimit).
   bool carried() const { return agreement_->carried(); }
-  // ... and rank q's part of it (q != this rank), `bytes` as this rank carried.
-  const void* carried_from(int q) const { return agreement_->carried_from(q); }
+  // ... and rank q's part of it (q != this rank): `bytes`, as this rank carried (the agreed shapes make them
+  // alike; anything else is an error, not a read past the message).
+  const void* carried_from(int q, size_t bytes) const {
+    const size_t got = agreement_->carried_bytes(q);
+    TORCH_CHECK(got == bytes, "mk ", p_.op(), ": rank ", p_.rank(), ": rank ", q, " carried ", got,
+                " bytes in the argument agreement, expected ", bytes);
+    return agreement_->carried_from(q);
+  }
 
  private:
   Pipeline& p_;
@@ -316,7 +284,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && rr.pays(m);
-  const CarryLimit cl = carry_limit(g, p);
+  const CarryLimit cl = carry_limit(p);
   if (err.empty()) err = cl.problem;
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
@@ -381,7 +349,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
       if (q == r)
         dst.copy_(a);
       else
-        copy_bytes(dst.data_ptr(), ga.carried_from(q), size_t(m * k * a.element_size()));
+        copy_bytes(dst.data_ptr(), ga.carried_from(q, dst.nbytes()), dst.nbytes());
     }
     at::mm_out(c, gathered, b);
     return {c, return_gathered ? gathered : a.new_empty({0, k})};
@@ -511,7 +479,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
   model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
-  const CarryLimit cl = carry_limit(g, p);
+  const CarryLimit cl = carry_limit(p);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc;
@@ -550,7 +518,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (ga.carried()) {  // every rank's product came with the agreement: summed in rank order, alike everywhere
     at::Tensor sum = at::empty({m, n}, acc.options());
     auto part = [&](int q) {
-      return q == g.rank ? acc : at::from_blob(const_cast<void*>(ga.carried_from(q)), {m, n}, acc.options());
+      if (q == g.rank) return acc;
+      return at::from_blob(const_cast<void*>(ga.carried_from(q, acc.nbytes())), {m, n}, acc.options());
     };
     at::add_out(sum, part(0), part(1));
     for (int q = 2; q < R; ++q) sum.add_(part(q));
@@ -640,7 +609,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = rr.pays(mb);
-  const CarryLimit cl = carry_limit(g, p);
+  const CarryLimit cl = carry_limit(p);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, b, acc_out, full;
@@ -685,9 +654,9 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
     const int64_t skip = g.is_mk() ? 0 : r * block_bytes;  // (elsewhere every rank's whole product came)
     auto part = [&](int q) {
-      return q == r ? full.select(0, r)
-                    : at::from_blob(const_cast<char*>(static_cast<const char*>(ga.carried_from(q)) + skip), {mb, n},
-                                    acc_out.options());
+      if (q == r) return full.select(0, r);
+      const auto* msg = static_cast<const char*>(ga.carried_from(q, size_t(carry_bytes)));
+      return at::from_blob(const_cast<char*>(msg + skip), {mb, n}, acc_out.options());
     };
     at::add_out(acc_out, part(0), part(1));
     for (int q = 2; q < R; ++q) acc_out.add_(part(q));

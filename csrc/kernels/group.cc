@@ -68,12 +68,13 @@ std::string value_text(const char* field, int64_t v) {
 
 // Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, host identity (hash),
 // where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers', the
-// bytes of carried data that follow the descriptor in its messages (0: none), the bytes it would carry (other
-// backends: its proposal for the next call's room), then the fields.
-constexpr int64_t kMagic = 0x6d6b616772656533;  // "mkagree3"
+// bytes of carried data that follow the descriptor in this message, the bytes it would carry (other backends:
+// its proposal for the next call's room), whether it carries (1: its messages hold its data, possibly 0
+// bytes of it), then the fields.
+constexpr int64_t kMagic = 0x6d6b616772656534;  // "mkagree4"
 constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
 constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13, kWant = 14;
-constexpr size_t kHead = 15;
+constexpr size_t kCarries = 15, kHead = 16;
 constexpr size_t kWords = 48;
 constexpr size_t kDescriptorBytes = kWords * sizeof(int64_t);
 constexpr size_t kMaxFields = kWords - kHead;
@@ -120,7 +121,7 @@ struct Agreement::State {
   std::vector<RequestPtr> sends, recvs;  // by peer (null for this rank)
   std::vector<at::Tensor> inbox;         // by peer: descriptor, then up to kCarryMax bytes of carried data
   std::vector<at::Tensor> outbox;        // messages with carried data (descriptor + data), kept until sent
-  bool carried_all = false;              // after check(): every rank carried the same nonzero byte count
+  bool carried_all = false;              // after check(): every rank carried its data
   size_t room = 0;                       // other backends: bytes after each descriptor in the allgather
   std::function<void(size_t)> on_room;
   // other backends
@@ -162,11 +163,14 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   const int R = g.size;
   // (carried data never rides on the board; on other backends only in the room every rank reserved alike)
   const bool board_active = s.board && s.board->active();
-  const bool wants = R > 1 && carried.bytes > 0 && carried.bytes <= kCarryMax && carried.data;
+  const bool wants = R > 1 && carried.data && (carried.bytes > 0 || carried.size) && carried.bytes <= kCarryMax;
   const bool other_cpu = !g.is_mk() && g.device.is_cpu();
   if (other_cpu) s.room = std::min(carried.room, kCarryMax);
   const bool carry = wants && !board_active && (g.is_mk() || (other_cpu && carried.bytes <= s.room));
-  if (carry) s.mine[kCarried] = int64_t(carried.bytes);
+  if (carry) {
+    s.mine[kCarries] = 1;
+    s.mine[kCarried] = int64_t(carried.bytes);  // (mk with per-peer sizes: rewritten in each peer's message)
+  }
   if (wants && other_cpu) s.mine[kWant] = int64_t(carried.bytes);
   s.theirs.assign(size_t(R) * kWords, 0);
   std::copy(s.mine.begin(), s.mine.end(), s.theirs.begin() + ptrdiff_t(size_t(g.rank) * kWords));
@@ -198,6 +202,7 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
       // (sends first: this rank's message is what its peers wait for; one arriving before its receive is
       // posted waits in the matcher's unexpected queue)
       const void* last_data = nullptr;  // (peers sent the same data share one message buffer)
+      size_t last_bytes = 0;
       for (int i = 1; i < R; ++i) {
         const int q = (g.rank + i) % R;
         if (!carry) {
@@ -205,15 +210,21 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
           continue;
         }
         const void* data = carried.data(q);
-        if (s.outbox.empty() || data != last_data) {
-          at::Tensor msg = at::empty({int64_t(kDescriptorBytes + carried.bytes)}, bytes_opts);
+        const size_t bytes = carried.size ? carried.size(q) : carried.bytes;
+        TORCH_CHECK(bytes <= carried.bytes, "mk ", op, ": rank ", g.rank, ": carries ", bytes, " bytes to rank ", q,
+                    ", more than the ", carried.bytes, " it announced");
+        if (s.outbox.empty() || data != last_data || bytes != last_bytes) {
+          at::Tensor msg = at::empty({int64_t(kDescriptorBytes + bytes)}, bytes_opts);
           auto* dst = static_cast<char*>(msg.data_ptr());
           std::memcpy(dst, s.mine.data(), kDescriptorBytes);
-          std::memcpy(dst + kDescriptorBytes, data, carried.bytes);
+          const int64_t announced = int64_t(bytes);
+          std::memcpy(dst + kCarried * sizeof(int64_t), &announced, sizeof(announced));
+          if (bytes) std::memcpy(dst + kDescriptorBytes, data, bytes);
           s.outbox.push_back(std::move(msg));
           last_data = data;
+          last_bytes = bytes;
         }
-        s.sends[size_t(q)] = comm.isend(q, kTag, s.outbox.back().data_ptr(), kDescriptorBytes + carried.bytes, kCheck);
+        s.sends[size_t(q)] = comm.isend(q, kTag, s.outbox.back().data_ptr(), kDescriptorBytes + bytes, kCheck);
       }
       for (int i = 1; i < R; ++i) {
         const int q = (g.rank - i + R) % R;
@@ -236,7 +247,7 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
     auto* dst = static_cast<char*>(s.in.data_ptr());
     std::memcpy(dst, s.mine.data(), kDescriptorBytes);
     std::memset(dst + kDescriptorBytes, 0, size_t(words) * sizeof(int64_t) - kDescriptorBytes);
-    if (carry) std::memcpy(dst + kDescriptorBytes, carried.data(0), carried.bytes);
+    if (carry && carried.bytes) std::memcpy(dst + kDescriptorBytes, carried.data(0), carried.bytes);
   }
   s.outs.resize(1);
   for (int r = 0; r < R; ++r) s.outs[0].push_back(at::empty({words}, opts.device(g.device)));
@@ -263,6 +274,11 @@ const void* Agreement::carried_from(int q) const {
               ": no data carried from rank ", q, " in the argument agreement");
   const at::Tensor& msg = s_->g.is_mk() ? s_->inbox[size_t(q)] : s_->outs[0][size_t(q)];
   return static_cast<const char*>(msg.data_ptr()) + kDescriptorBytes;
+}
+
+size_t Agreement::carried_bytes(int q) const {
+  carried_from(q);  // (the same checks)
+  return size_t(s_->theirs[size_t(q) * kWords + kCarried]);
 }
 
 void Agreement::on_room(std::function<void(size_t)> fn) { s_->on_room = std::move(fn); }
@@ -428,8 +444,11 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   std::vector<std::vector<int64_t>> all(size_t(R), std::vector<int64_t>(fields.size()));
   for (int r = 0; r < R; ++r)
     for (size_t i = 0; i < fields.size(); ++i) all[size_t(r)][i] = row(r)[kHead + i];
-  carried_all = mine[kCarried] > 0;
-  for (int r = 0; r < R; ++r) carried_all = carried_all && row(r)[kCarried] == mine[kCarried];
+  // (a message's size was checked against its kCarried on mk; on other backends the data fits the room)
+  const size_t fits = g.is_mk() ? kCarryMax : room;
+  carried_all = true;
+  for (int r = 0; r < R; ++r)
+    carried_all = carried_all && row(r)[kCarries] == 1 && row(r)[kCarried] >= 0 && size_t(row(r)[kCarried]) <= fits;
   std::string bad;  // (formatted only when a field differs: this runs on every call)
   for (size_t i = 0; i < fields.size(); ++i) {
     if (!fields[i].must_match) continue;

@@ -52,22 +52,24 @@ struct Field {
 };
 
 // Data that travels inside this rank's agreement message (not on the board): a tiny call's operand or partial
-// product, so the op needs no exchange after the agreement (one round trip instead of two). `bytes` is the
-// same for every peer, at most kCarryMax; `data(q)` is what goes to peer q (read while the Agreement is
+// product, so the op needs no exchange after the agreement (one round trip instead of two). `bytes` (at most
+// kCarryMax) is what goes to every peer, `data(q)` what goes to peer q (read while the Agreement is
 // constructed: the message is a copy).
-//   mk     point-to-point messages, each receive taking up to kCarryMax bytes of it.
+//   mk     point-to-point messages, each receive taking up to kCarryMax bytes of it. With `size`, peer q gets
+//          size(q) bytes instead (0 allowed: the message is the descriptor alone; `bytes` is then their
+//          maximum): a routed exchange whose counts differ per pair.
 //   other  (CPU tensors) the descriptors' allgather, whose messages must have one size on every rank before
 //          anything is exchanged, even on ranks at different calls: `room` bytes after each descriptor, decided
 //          from the group's earlier agreements alone (the most any rank proposed in the last 8; Pipeline keeps
-//          it). The data rides when `bytes` fits the room (the same data to every peer: data(0)); otherwise the
-//          room is padding. Every call proposes its `bytes` for the later ones.
+//          it). The data rides when `bytes` fits the room (the same data to every peer: data(0), `size`
+//          ignored); otherwise the room is padding. Every call proposes its `bytes` for the later ones.
+// An offer needs `data`, and `bytes` > 0 or `size` (a routed exchange may have nothing to send).
 struct Carried {
   size_t bytes = 0;
   std::function<const void*(int peer)> data;
+  std::function<size_t(int peer)> size;
   size_t room = 0;
 };
-// Every agreement receive over the transport accepts this much carried data from any peer (so ranks whose
-// limits differ still exchange whole messages; see Agreement::carried()).
 constexpr size_t kCarryMax = size_t(64) << 10;
 
 // The cross-rank agreement in flight. Constructing it sends this rank's descriptor (the op's name, its call
@@ -84,10 +86,10 @@ constexpr size_t kCarryMax = size_t(64) << 10;
 // call the same fused ops in the same order); or the must_match fields that differ, with each rank's value.
 // Returns all ranks' values: result[r][i] = rank r's fields[i].value. Call it once. With `carried`, the data
 // rides along (see Carried: never on the board) and, after result(), carried() says whether every rank
-// attached the same number of bytes (the same answer on every rank): then carried_from(q) is what rank q sent
-// to this rank. Otherwise the op runs its usual exchange (what came along is dropped). Destroyed without a
-// result() (an exception in between), it still consumes the descriptors (bounded by the group timeout), so
-// later calls on the group stay in step.
+// attached its data (the same answer on every rank): then carried_from(q) is what rank q sent to this rank,
+// carried_bytes(q) bytes of it. Otherwise the op runs its usual exchange (what came along is dropped).
+// Destroyed without a result() (an exception in between), it still consumes the descriptors (bounded by the
+// group timeout), so later calls on the group stay in step.
 class Agreement {
  public:
   Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq,
@@ -103,8 +105,9 @@ class Agreement {
   bool on_board() const;
   // After result(): every rank carried its data in its agreement message (see Carried).
   bool carried() const;
-  // After result() with carried(): the `bytes` rank q (not this rank) sent to this rank.
+  // After result() with carried(): what rank q (not this rank) sent to this rank, and how many bytes.
   const void* carried_from(int q) const;
+  size_t carried_bytes(int q) const;
   // Other backends: called once the descriptors are in (whether or not they match) with the most any rank
   // proposed to carry (0: none), the same on every rank: what later calls' rooms are made of.
   void on_room(std::function<void(size_t proposed)> fn);

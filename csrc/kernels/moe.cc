@@ -15,6 +15,11 @@
 // As rows arrive (this rank's own block first, then the others), each per-expert segment is multiplied by
 // that expert's weight (fp32 accumulation) straight into its place in the output, so the products of one
 // piece overlap the transfers of the next.
+// Small calls (pipeline.h's CarryLimit: mk with a peer across hosts, or another backend on CPU; at most 64 KiB
+// sent by a rank) carry their counts and routed rows inside the agreement's messages (mk: to each rank its
+// own rows; elsewhere every row that leaves, in destination order, after the counts), so the whole dispatch is
+// one exchange; combine carries the rows going back the same way. On 2 namespace hosts at 1 Gbit/s this took
+// dispatch from 1.08x/0.96x of unfused to 1.88x/1.52x and combine from 0.72x to 1.03x/0.97x (bench/README.md).
 //
 // Output order of y [n_recv, f]: by local expert, then source rank, then token index, then choice.
 //
@@ -39,6 +44,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/scatter.h>
@@ -47,12 +53,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "kernels/group.h"
 #include "kernels/pipeline.h"
+#include "transport/copy.h"
 
 namespace mk::kernels {
 namespace {
@@ -125,18 +133,103 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
       }
     }
   }
+  const CarryLimit cl = carry_limit(p);
+  if (problem.empty()) problem = cl.problem;
   const bool ok = problem.empty();
-  p.agree({{"experts per rank (w.size(0))", ok ? w.size(0) : -1}, {"hidden size", ok ? x.size(1) : -1},
-           {"expert output size (w.size(2))", ok ? w.size(2) : -1}, {"dtype", dtype_code(x.scalar_type())}},
-          problem);
 
-  const int64_t t = x.size(0), K = topk_ids.size(1), Er = w.size(0), h = x.size(1), f = w.size(2);
   // Route: rows in (global expert, token, choice) order, and how many go to each expert.
-  at::Tensor perm = at::argsort(ids, /*stable=*/true);
-  at::Tensor counts = at::bincount(ids, {}, E);
-  at::Tensor routed = x.index_select(0, perm.div(K, "floor"));  // [t·K, h], contiguous
-  const at::Tensor C = at::empty({R, E}, counts.options());        // [R, E]: rows rank s sends to expert e
-  p.allgather(counts, C.view({-1})).wait();  // flat: Gloo splits the output like the input
+  at::Tensor perm, counts, routed;
+  int64_t K = 0, Er = 0, h = 0;
+  if (ok) {
+    K = topk_ids.size(1), Er = w.size(0), h = x.size(1);
+    perm = at::argsort(ids, /*stable=*/true);
+    counts = at::bincount(ids, {}, E);
+    routed = x.index_select(0, perm.div(K, "floor"));  // [t·K, h], contiguous
+  }
+  const int64_t row_bytes = std::max<int64_t>(1, h * x.element_size());  // (>= 1: pieces are counted in rows)
+  const int64_t row_size = h * x.element_size();                          // what a carried row takes
+  const int64_t header = E * int64_t(sizeof(int64_t));  // a carried message starts with the sender's counts
+
+  // Small calls carry the counts and the routed rows inside the agreement: on mk, to each rank its rows (sizes
+  // per pair); elsewhere every row that leaves this rank, in destination order. Either after the counts.
+  std::vector<int> others;
+  for (int i = 1; i < R; ++i) others.push_back((me + i) % R);
+  Carried carried;
+  at::Tensor outbox;
+  std::vector<int64_t> out_at(size_t(R), 0), rows_to(size_t(R), 0), row_at(size_t(R), 0);
+  if (ok && x.device().is_cpu() && cl.may_carry) {
+    const int64_t* cnt = counts.data_ptr<int64_t>();
+    for (int d = 0; d < R; ++d)
+      for (int64_t e = 0; e < Er; ++e) rows_to[size_t(d)] += cnt[d * Er + e];
+    for (int d = 1; d < R; ++d) row_at[size_t(d)] = row_at[size_t(d - 1)] + rows_to[size_t(d - 1)];
+    int64_t largest = 0, sum = 0, leaving = 0;
+    for (int d : others) {
+      largest = std::max(largest, header + rows_to[size_t(d)] * row_size);
+      sum += header + rows_to[size_t(d)] * row_size;
+      leaving += rows_to[size_t(d)] * row_size;
+    }
+    const int64_t whole = header + leaving;
+    if (g.is_mk() ? cl.fits_routed(largest, sum) : cl.fits_routed(whole, int64_t(R - 1) * whole)) {
+      outbox = at::empty({g.is_mk() ? sum : whole}, x.options().dtype(at::kByte));
+      auto* base = static_cast<char*>(outbox.data_ptr());
+      const auto* rows = static_cast<const char*>(routed.data_ptr());
+      int64_t at_byte = 0;
+      for (int d = 0; d < R; ++d) {  // (in rank order: a receiver finds its rows after those of lower ranks)
+        if (d == me) continue;
+        if (g.is_mk() || at_byte == 0) {  // (elsewhere one header, then every destination's rows)
+          out_at[size_t(d)] = at_byte;
+          std::memcpy(base + at_byte, cnt, size_t(header));
+          at_byte += header;
+        }
+        const size_t n = size_t(rows_to[size_t(d)] * row_size);
+        if (n) copy_bytes(base + at_byte, rows + row_at[size_t(d)] * row_size, n);
+        at_byte += int64_t(n);
+      }
+      carried.bytes = size_t(g.is_mk() ? largest : whole);
+      carried.data = [base, &out_at, each = g.is_mk()](int q) { return each ? base + out_at[size_t(q)] : base; };
+      if (g.is_mk())
+        carried.size = [&rows_to, header, row_size](int q) { return size_t(header + rows_to[size_t(q)] * row_size); };
+    }
+  }
+  Agreement agreement =
+      p.start_agree({{"experts per rank (w.size(0))", ok ? w.size(0) : -1}, {"hidden size", ok ? x.size(1) : -1},
+                     {"expert output size (w.size(2))", ok ? w.size(2) : -1}, {"dtype", dtype_code(x.scalar_type())}},
+                    problem, std::move(carried));
+  agreement.result();
+
+  const int64_t t = x.size(0), f = w.size(2);
+  const at::Tensor C = at::empty({R, E}, counts.options());  // [R, E]: rows rank s sends to expert e
+  // Where rank q's rows for this rank start in its carried message (q's counts first, then its rows).
+  std::vector<const char*> carried_rows(size_t(R), nullptr);
+  if (agreement.carried()) {
+    C[me].copy_(counts);
+    for (int q : others) {
+      const auto* msg = static_cast<const char*>(agreement.carried_from(q));
+      const size_t got = agreement.carried_bytes(q);
+      TORCH_CHECK(got >= size_t(header), "mk ", op, ": rank ", me, ": rank ", q, " carried ", got,
+                  " bytes in the argument agreement, fewer than its ", E, " expert counts");
+      std::memcpy(C[q].data_ptr(), msg, size_t(header));
+      const auto* cq = reinterpret_cast<const int64_t*>(msg);  // (the message buffer is 8-byte aligned)
+      int64_t skip = 0, mine_rows = 0;  // rows before ours in q's message, and ours
+      for (int d = 0; d < R; ++d) {
+        int64_t n = 0;
+        for (int64_t e = 0; e < Er; ++e) n += cq[d * Er + e];
+        TORCH_CHECK(n >= 0, "mk ", op, ": rank ", me, ": rank ", q, " carried a negative expert count");
+        if (d == me)
+          mine_rows = n;
+        else if (!g.is_mk() && d != q && d < me)
+          skip += n;
+      }
+      TORCH_CHECK(size_t(header + (skip + mine_rows) * row_size) <= got, "mk ", op, ": rank ", me, ": rank ", q,
+                  " carried ", got, " bytes in the argument agreement, too few for the ", mine_rows,
+                  " rows its counts send here");
+      carried_rows[size_t(q)] = msg + header + skip * row_size;
+    }
+  } else {
+    p.allgather(counts, C.view({-1})).wait();  // flat: Gloo splits the output like the input
+  }
+  p.trace("t=", t, " k=", K, " E_r=", Er, " h=", h, " f=", f, " ", x.scalar_type(),
+          agreement.carried() ? " carried" : "");
   const at::Tensor Chost = C.to(at::kCPU);   // on an accelerator: after the gather (stream-ordered copy)
   const auto Ca = Chost.accessor<int64_t, 2>();
   auto from = [&](int s, int64_t e) { return Ca[s][me * Er + e]; };  // rows from s for my expert e
@@ -180,7 +273,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
     }
   };
 
-  const int64_t row_bytes = std::max<int64_t>(1, h * x.element_size());
   std::vector<int64_t> off_from(size_t(R), 0);
   int64_t remote_rows = 0;
   for (int s = 0; s < R; ++s)
@@ -188,7 +280,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
       off_from[size_t(s)] = remote_rows;
       remote_rows += n_from[size_t(s)];
     }
-  if (!g.is_mk()) {
+  if (agreement.carried()) {
+    // Every rank's rows for this one came along: our own first, then each source's from its message.
+    multiply_block(me, 0, n_from[size_t(me)], routed.narrow(0, off_to[size_t(me)], n_from[size_t(me)]));
+    for (int s : others)
+      if (n_from[size_t(s)])
+        multiply_block(s, 0, n_from[size_t(s)],
+                       at::from_blob(const_cast<char*>(carried_rows[size_t(s)]), {n_from[size_t(s)], h}, x.options()));
+  } else if (!g.is_mk()) {
     // The backend's alltoall_base, in P steps that every rank derives from the gathered counts (so every
     // rank issues the same collectives in the same order): step j moves piece j (chunk_range of P) of every
     // pair's rows. All steps are issued up front; the product of step j's rows overlaps steps j+1.. .
@@ -348,33 +447,31 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     else if (!topk_weights.is_floating_point())
       problem = c10::str("topk_weights must be floating point, got ", topk_weights.scalar_type());
   }
+  const CarryLimit cl = carry_limit(p);
+  if (problem.empty()) problem = cl.problem;
   const bool ok = problem.empty();
-  p.agree({{"experts per rank", ok ? rt.Er : -1}, {"expert output size (y.size(1))", ok ? y.size(1) : -1},
-           {"dtype", dtype_code(y.scalar_type())}},
-          problem);
 
-  const int64_t Er = rt.Er, f = y.size(1), t = rt.t, K = rt.K;
-  const auto rc = rt.recv_counts.accessor<int64_t, 2>();
-  const auto sent = rt.sent.accessor<int64_t, 1>();
+  // The plan, from the handle alone (nothing in it when the arguments are wrong: the agreement then raises).
+  const int64_t Er = ok ? rt.Er : 0, f = ok ? y.size(1) : 0, t = ok ? rt.t : 0, K = ok ? rt.K : 0;
   std::vector<int64_t> n_back(size_t(R), 0), n_home(size_t(R), 0), off_home(size_t(R), 0), col(size_t(Er), 0);
+  const int64_t* rc = ok ? rt.recv_counts.data_ptr<int64_t>() : nullptr;  // [R, E_r]
+  const int64_t* sent = ok ? rt.sent.data_ptr<int64_t>() : nullptr;       // [R·E_r]
   for (int s = 0; s < R; ++s)
     for (int64_t e = 0; e < Er; ++e) {
-      n_back[size_t(s)] += rc[s][e];
-      col[size_t(e)] += rc[s][e];
+      n_back[size_t(s)] += rc[s * Er + e];
+      col[size_t(e)] += rc[s * Er + e];
       n_home[size_t(s)] += sent[s * Er + e];
     }
   for (int d = 1; d < R; ++d) off_home[size_t(d)] = off_home[size_t(d - 1)] + n_home[size_t(d - 1)];
-  const at::Tensor yc = y.contiguous();  // sent in segments straight from it
+  const at::Tensor yc = ok ? y.contiguous() : y;  // sent in segments straight from it
+  const int64_t row_bytes = f * (ok ? y.element_size() : 0);
 
-  // Every (token, choice) comes back exactly once, into `home`: this rank's rows in sending order (sorted by
-  // global expert), so the rows from rank d are one contiguous region and can be received in place.
-  at::Tensor home = at::empty({t * K, f}, y.options());
   // Segments of y, per (source s, local expert e): where they start in y (ordered by expert, then source),
   // and where the rows this rank sent to d's expert e start in `home`.
   auto y_start = [&](int s, int64_t e) {
     int64_t start = 0;
     for (int64_t e2 = 0; e2 < e; ++e2) start += col[size_t(e2)];
-    for (int s2 = 0; s2 < s; ++s2) start += rc[s2][e];
+    for (int s2 = 0; s2 < s; ++s2) start += rc[s2 * Er + e];
     return start;
   };
   auto home_start = [&](int d, int64_t e) {
@@ -382,20 +479,88 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     for (int64_t e2 = 0; e2 < e; ++e2) start += sent[d * Er + e2];
     return start;
   };
-  if (!g.is_mk()) {
+  // y's rows in (destination, expert) order, destinations in `dests`: what a backend's alltoall_base sends, and
+  // what a small call carries.
+  auto gather_rows = [&](const std::vector<int>& dests) {
+    std::vector<int64_t> order;
+    for (int s : dests)
+      for (int64_t e = 0; e < Er; ++e)
+        for (int64_t i = 0, at_row = y_start(s, e); i < rc[s * Er + e]; ++i) order.push_back(at_row + i);
+    return yc.index_select(0, longs(order, y.device()));
+  };
+
+  // This rank's own rows stay: from y into their place in `home`.
+  auto keep_own_rows = [&](const at::Tensor& home) {
+    for (int64_t e = 0; e < Er; ++e)
+      if (const int64_t n = rc[me * Er + e]) home.narrow(0, home_start(me, e), n).copy_(yc.narrow(0, y_start(me, e), n));
+  };
+
+  // Small calls carry the rows going back inside the agreement: on mk rank s's rows to rank s (sizes per
+  // pair), elsewhere every row that leaves this rank after a header of where each destination's rows start.
+  std::vector<int> others;
+  for (int i = 1; i < R; ++i) others.push_back((me + i) % R);
+  int64_t largest = 0, leaving = 0;
+  for (int s : others) {
+    largest = std::max(largest, n_back[size_t(s)] * row_bytes);
+    leaving += n_back[size_t(s)] * row_bytes;
+  }
+  const int64_t header = R * int64_t(sizeof(int64_t)), whole = header + leaving;
+  const bool offer = ok && y.device().is_cpu() &&
+                     (g.is_mk() ? cl.fits_routed(largest, leaving) : cl.fits_routed(whole, int64_t(R - 1) * whole));
+  Carried carried;
+  at::Tensor outbox;
+  std::vector<int64_t> out_at(size_t(R), 0);  // byte offset of destination d's rows in `outbox`
+  if (offer) {
+    outbox = at::empty({g.is_mk() ? leaving : whole}, y.options().dtype(at::kByte));
+    int64_t at_byte = g.is_mk() ? 0 : header;
+    for (int s : others) {
+      out_at[size_t(s)] = at_byte;
+      at_byte += n_back[size_t(s)] * row_bytes;
+    }
+    auto* base = static_cast<char*>(outbox.data_ptr());
+    if (leaving) copy_bytes(base + (g.is_mk() ? 0 : header), gather_rows(others).data_ptr(), size_t(leaving));
+    if (!g.is_mk()) std::memcpy(base, out_at.data(), size_t(header));
+    carried.bytes = size_t(g.is_mk() ? largest : whole);
+    carried.data = [base, &out_at, each = g.is_mk()](int q) { return each ? base + out_at[size_t(q)] : base; };
+    if (g.is_mk()) carried.size = [&n_back, row_bytes](int q) { return size_t(n_back[size_t(q)] * row_bytes); };
+  }
+  Agreement agreement = p.start_agree({{"experts per rank", ok ? rt.Er : -1},
+                                       {"expert output size (y.size(1))", ok ? y.size(1) : -1},
+                                       {"dtype", dtype_code(y.scalar_type())}},
+                                      problem, std::move(carried));
+  agreement.result();
+  p.trace("t=", t, " k=", K, " E_r=", Er, " f=", f, " ", y.scalar_type(), agreement.carried() ? " carried" : "");
+
+  // Every (token, choice) comes back exactly once, into `home`: this rank's rows in sending order (sorted by
+  // global expert), so the rows from rank d are one contiguous region and can be received in place.
+  at::Tensor home = at::empty({t * K, f}, y.options());
+  if (agreement.carried()) {
+    // Every rank's rows for this one came along: each source's region of `home` from its message.
+    for (int q : others) {
+      if (!n_home[size_t(q)]) continue;
+      const size_t want = size_t(n_home[size_t(q)] * row_bytes), got = agreement.carried_bytes(q);
+      const auto* msg = static_cast<const char*>(agreement.carried_from(q));
+      int64_t from_byte = 0;
+      if (!g.is_mk()) std::memcpy(&from_byte, msg + me * int64_t(sizeof(int64_t)), sizeof(from_byte));
+      TORCH_CHECK(from_byte >= 0 && size_t(from_byte) + want <= got, "mk ", op, ": rank ", me, ": rank ", q,
+                  " carried ", got, " bytes in the argument agreement, too few for the ", n_home[size_t(q)],
+                  " rows it owes this rank (do the ranks hold handles of the same dispatch?)");
+      copy_bytes(home.narrow(0, off_home[size_t(q)], n_home[size_t(q)]).data_ptr(), msg + from_byte, want);
+    }
+    keep_own_rows(home);
+  } else   if (!g.is_mk()) {
     // One alltoall_base (see alltoall_step) that every rank issues, whatever its counts: a rank cannot know
     // from its handle whether the others move rows. Its own rows travel in it too (a local copy inside the
     // backend), so the output lands in `home` whole: the outbox is y's rows in (destination, expert) order,
     // gathered in one index_select.
-    std::vector<int64_t> order, in_splits(size_t(R), 0), out_splits(size_t(R), 0);
-    order.reserve(size_t(rt.n_recv));
+    std::vector<int64_t> in_splits(size_t(R), 0), out_splits(size_t(R), 0);
+    std::vector<int> everyone;
     for (int s = 0; s < R; ++s) {
       in_splits[size_t(s)] = n_back[size_t(s)];
       out_splits[size_t(s)] = n_home[size_t(s)];
-      for (int64_t e = 0; e < Er; ++e)
-        for (int64_t i = 0, at_row = y_start(s, e); i < rc[s][e]; ++i) order.push_back(at_row + i);
+      everyone.push_back(s);
     }
-    const at::Tensor outbox = yc.index_select(0, longs(order, y.device()));
+    const at::Tensor outbox = gather_rows(everyone);
     p.publish(outbox);
     p.trace("alltoall_base path: ", outbox.size(0) - n_back[size_t(me)], " rows out, ", t * K - n_home[size_t(me)],
             " rows in");
@@ -411,10 +576,9 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     for (int i = 1; i < R; ++i) {
       const int s = (me - i + R) % R;
       for (int64_t e = 0; e < Er; ++e)
-        if (rc[s][e]) tx.push_back(p.send(yc.narrow(0, y_start(s, e), rc[s][e]), s, uint32_t(e)));
+        if (rc[s * Er + e]) tx.push_back(p.send(yc.narrow(0, y_start(s, e), rc[s * Er + e]), s, uint32_t(e)));
     }
-    for (int64_t e = 0; e < Er; ++e)
-      if (rc[me][e]) home.narrow(0, home_start(me, e), rc[me][e]).copy_(yc.narrow(0, y_start(me, e), rc[me][e]));
+    keep_own_rows(home);
     for (auto& x : rx) x.wait();
     for (auto& x : tx) x.wait();
   }

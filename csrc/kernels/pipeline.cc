@@ -718,6 +718,24 @@ void Pipeline::publish(const at::Tensor& t) {
   ev.synchronize();
 }
 
+int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (*end == '\0' && x >= least) return int64_t(x);
+  problem = c10::str(name, " must be ", least == 0 ? "a non-negative" : "a positive", " integer, got '", v, "'");
+  return 0;
+}
+
+CarryLimit carry_limit(const Pipeline& p) {
+  const Group& g = p.group();
+  CarryLimit cl;
+  cl.may_carry = g.size > 1 && (g.is_mk() ? p.over_tcp() : g.device.is_cpu());
+  if (cl.may_carry) cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(kCarryMax), 0, cl.problem);
+  return cl;
+}
+
 std::pair<int64_t, int64_t> chunk_range(int64_t n, int64_t chunks, int64_t i) {
   const int64_t base = n / chunks, extra = n % chunks;
   const int64_t begin = i * base + std::min(i, extra);

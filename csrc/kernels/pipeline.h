@@ -254,6 +254,35 @@ class Pipeline {
   bool inline_ = false;  // the next lane collective runs on the caller's thread (lane idle, nothing to overlap)
 };
 
+// An integer environment variable of at least `least` (`fallback` when unset or empty); an invalid value sets
+// `problem` (an argument error, reported through the agreement) and gives 0.
+int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem);
+
+// Small calls: the whole payload travels inside the argument agreement's messages (group.h's Carried), so the
+// call makes one exchange instead of the agreement's round trip followed by the op's own (2 namespace hosts at
+// 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused on mk, 0.41x on Gloo, where the agreement's
+// extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other backends with
+// CPU tensors (where the agreement is an allgather: the data rides from the second call of the op with that
+// payload size on, see Carried::room; on one host the board soon takes the agreement instead). Taken when
+// this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (64 KiB; 0 turns it off) to all peers together, and at
+// most kCarryMax to each, with an automatic chunk count; the op then uses it only if every rank carried its
+// part (decided from the exchanged descriptors, so alike everywhere; otherwise its usual path, and what came
+// along is dropped). Direct sends to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank
+// against a ring's 2 (R - 1) / R m n, which the limit on the total keeps small.
+struct CarryLimit {
+  bool may_carry = false;  // R > 1, and mk with a peer across hosts or another backend on CPU
+  int64_t total = 0;       // the limit (0: off, not read, or invalid)
+  std::string problem;     // the argument error when the variable is invalid
+  // Whether a call that sends `per_peer` bytes to each of the other R - 1 ranks carries them.
+  bool fits(int R, int64_t per_peer) const { return per_peer > 0 && fits_routed(per_peer, int64_t(R - 1) * per_peer); }
+  // Whether a routed call (counts per peer) that sends at most `largest` bytes to one peer and `sum` in all
+  // carries them (nothing to send at all carries too: the agreement alone then completes the exchange).
+  bool fits_routed(int64_t largest, int64_t sum) const {
+    return may_carry && total > 0 && largest >= 0 && size_t(largest) <= kCarryMax && sum <= total;
+  }
+};
+CarryLimit carry_limit(const Pipeline& p);
+
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
 // parts get one more; parts are empty when chunks > n).
 std::pair<int64_t, int64_t> chunk_range(int64_t n, int64_t chunks, int64_t i);

@@ -41,3 +41,53 @@ def test_gloo_moves_rows_by_alltoall(world: int, transport: str) -> None:
         assert any(int(steps) > 1 for _, steps in dispatch), "no dispatch was pipelined over several steps"
         assert any(rows == "0" and steps == "0" for rows, steps in dispatch), "no all-local dispatch"
         assert all((rows == "0") == (steps == "0") for rows, steps in dispatch)
+
+
+_TRACE = {"SUPERKERNEL_OPS_TRACE": "1"}
+# every dispatch and combine with the default carry rules: over tcp, and on Gloo with the board off (on one
+# host the board takes the agreement from the third call on, and carried data never rides on it)
+_carry = WorldCache("moe_suite.py", timeout=240, env=_TRACE, gloo_env={**_TRACE, "SUPERKERNEL_OPS_BOARD": "0"})
+_MOE_TRACE = re.compile(r"^\[mk (moe_dispatch_gemm|moe_combine) rank (\d+) call \d+\] t=(\d+) k=(\d+) E_r=(\d+)"
+                        r"(?: h=(\d+))? f=(\d+) (\w+)( carried)?$", re.MULTILINE)
+_ELEMENT = {"Float": 4, "BFloat16": 2, "Half": 2}
+CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default
+
+
+def _carry_paths(stderr: str, world: int, gloo: bool) -> dict[tuple[str, bool], int]:
+    """Checks every traced call's path against the carry rule and counts (op, carried). A rank sends at most
+    t k rows (of h elements in a dispatch, f in a combine) plus, in a dispatch, its E expert counts to each
+    peer: when that bound, times the R - 1 peers, is within 64 KiB the call must carry (on mk; on Gloo only
+    once the group's earlier agreements made room for it, which the trace does not show). A call whose rows
+    alone take more than 1 MiB must not (the suite's only such case routes its rows uniformly, so most leave)."""
+    seen: dict[tuple[str, bool], int] = {}
+    for op, rank, t, k, er, h, f, dtype, carried in _MOE_TRACE.findall(stderr):
+        width = int(h) if op == "moe_dispatch_gemm" else int(f)
+        rows = int(t) * int(k) * width * _ELEMENT[dtype]
+        header = world * int(er) * 8 if op == "moe_dispatch_gemm" else world * 8
+        if (world - 1) * (rows + header) <= CARRY_BYTES and not gloo:
+            assert carried, f"rank {rank}: {op} t={t} k={k} width={width} {dtype} was not carried"
+        if rows > 1 << 20:
+            assert not carried, f"rank {rank}: {op} t={t} k={k} width={width} {dtype} carried {rows} bytes of rows"
+        seen[(op, bool(carried))] = seen.get((op, bool(carried)), 0) + 1
+    return seen
+
+
+@pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "tcp"), (2, "gloo"), (3, "gloo")],
+                         ids=["2ranks-tcp", "3ranks-tcp", "2ranks-gloo", "3ranks-gloo"])
+def test_small_calls_carried(world: int, transport: str) -> None:
+    """Across hosts (tcp) and on Gloo, a small dispatch carries its expert counts and routed rows inside the
+    argument agreement, and a small combine the rows going back (one exchange instead of the agreement's
+    round trip and the op's own: two for a dispatch, whose counts were an allgather). Every traced call takes
+    the path the rule gives; the results (forward and backward) match the float64 reference and the argument
+    errors are still raised on every rank."""
+    results = _carry.results(world, transport, [])
+    seen: dict[tuple[str, bool], int] = {}
+    for res in results:
+        for key, n in _carry_paths(res.stderr, world, transport == "gloo").items():
+            seen[key] = seen.get(key, 0) + n
+    for op in ("moe_dispatch_gemm", "moe_combine"):
+        assert seen.get((op, True)) and seen.get((op, False)), seen
+    reps = [r.report() for r in results]
+    for family in ("dispatch", "combine", "grad", "errors"):
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
