@@ -492,7 +492,8 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
   // This rank's own rows stay: from y into their place in `home`.
   auto keep_own_rows = [&](const at::Tensor& home) {
     for (int64_t e = 0; e < Er; ++e)
-      if (const int64_t n = rc[me * Er + e]) home.narrow(0, home_start(me, e), n).copy_(yc.narrow(0, y_start(me, e), n));
+      if (const int64_t n = rc[me * Er + e])
+        home.narrow(0, home_start(me, e), n).copy_(yc.narrow(0, y_start(me, e), n));
   };
 
   // Small calls carry the rows going back inside the agreement: on mk rank s's rows to rank s (sizes per

@@ -15,11 +15,17 @@
 // On mk with every peer on this host and no mask (CPU), the transfers would be copies on the cores the
 // attention needs, so nothing can overlap: the op then gathers K/V with one mk allgather and makes one
 // attention call over the whole sequence (R blocks in memory, as the unfused composition has).
+// Small blocks (pipeline.h's CarryLimit: mk with a peer across hosts, or another backend on CPU; at most
+// 64 KiB of K/V sent by a rank) travel inside the argument agreement, so every rank holds every block after
+// that one exchange and makes one attention call over the whole sequence (causal: with a mask from the
+// global positions, as the unfused composition does).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/logaddexp.h>
 #include <ATen/ops/logsumexp.h>
@@ -134,37 +140,81 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     local_problem = c10::str("dtype ", q.scalar_type(), " is not supported (float32, bfloat16, float16)");
   else if (zigzag && q.size(2) % 2 != 0)
     local_problem = c10::str("zigzag layout needs an even local sequence length, got ", q.size(2));
+  const CarryLimit cl = carry_limit(p);
+  if (local_problem.empty()) local_problem = cl.problem;
   const bool ok = local_problem.empty();
   const double sc = scale.value_or(ok && q.size(3) > 0 ? 1.0 / std::sqrt(double(q.size(3))) : 1.0);
   int64_t sc_bits = 0;
   static_assert(sizeof(double) == sizeof(int64_t));
   std::memcpy(&sc_bits, &sc, sizeof sc_bits);
   auto dim = [&](const at::Tensor& t, int64_t i) { return ok ? t.size(i) : -1; };
-  p.agree({{"batch", dim(q, 0)}, {"query heads", dim(q, 1)}, {"kv heads", dim(k, 1)}, {"local sequence", dim(q, 2)},
-           {"head_dim", dim(q, 3)}, {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
-           {"scale (bits of the double)", sc_bits}},
-          local_problem);
+  // A small K/V block ([2, b, hkv, s, d], the same to every peer) travels inside the agreement: every rank
+  // then holds every block after one exchange, instead of the agreement's round trip and R - 1 ring steps.
+  at::Tensor mine;  // this rank's packed K/V, once made
+  Carried carried;
+  if (ok && R > 1 && q.device().is_cpu() && q.size(2) > 0 &&
+      cl.fits(R, 2 * k.size(0) * k.size(1) * k.size(2) * k.size(3) * int64_t(k.element_size()))) {
+    mine = at::stack({k, v}).contiguous();
+    carried.bytes = size_t(mine.nbytes());
+    carried.data = [&mine](int) { return mine.data_ptr(); };
+  }
+  Agreement agreement = p.start_agree({{"batch", dim(q, 0)}, {"query heads", dim(q, 1)}, {"kv heads", dim(k, 1)},
+                                       {"local sequence", dim(q, 2)}, {"head_dim", dim(q, 3)},
+                                       {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
+                                       {"scale (bits of the double)", sc_bits}},
+                                      local_problem, std::move(carried));
+  agreement.result();
+  const bool have_all = agreement.carried();
+  // Rank src's packed K/V when it came with the agreement (this rank's own: `mine`).
+  auto carried_block = [&](int src) {
+    if (src == me) return mine;
+    const size_t got = agreement.carried_bytes(src);
+    TORCH_CHECK(got == mine.nbytes(), "mk ", kOp, ": rank ", me, ": rank ", src, " carried ", got,
+                " bytes of K/V in the argument agreement, expected ", mine.nbytes());
+    return at::from_blob(const_cast<void*>(agreement.carried_from(src)), mine.sizes(), mine.options());
+  };
 
   const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), s = q.size(2), d = q.size(3), g = hq / hkv;
   auto f32 = q.options().dtype(at::kFloat);
-  if (!causal && R > 1 && s > 0 && grp.is_mk() && !p.over_tcp() && q.device().is_cpu()) {
-    // Every peer on this host, no mask: the blocks would travel over shared memory, i.e. as copies on the
-    // cores the attention needs, so nothing overlaps; one mk allgather of the packed K/V and one attention
-    // call over the whole sequence cost less than R calls and R-1 merges (memory: R blocks, as unfused).
-    // Without a mask the order of the keys does not matter, so the layout (zigzag or not) needs no care.
-    at::Tensor mine = at::stack({k, v}).contiguous();  // [2, b, hkv, s, d]
-    at::Tensor all = at::empty({R, 2, b, hkv, s, d}, mine.options());
-    p.on_caller([&] { return p.allgather(mine, all); }).wait();
+  const bool one_host_cpu = grp.is_mk() && !p.over_tcp() && q.device().is_cpu();
+  if (R > 1 && s > 0 && ((!causal && one_host_cpu) || have_all)) {
+    // Every block already here, or no mask and every peer on this host: one attention call over the whole
+    // sequence. On one host the blocks would travel over shared memory, i.e. as copies on the cores the
+    // attention needs, so nothing overlaps; one mk allgather of the packed K/V and one call cost less than R
+    // calls and R-1 merges (memory: R blocks, as unfused). Keys in rank order: without a mask their order does
+    // not matter; a causal mask is built from the global positions of the queries and of every rank's keys.
+    at::Tensor all = at::empty({R, 2, b, hkv, s, d}, k.options());
+    if (have_all) {
+      for (int src = 0; src < R; ++src) all[src].copy_(carried_block(src));
+    } else {
+      mine = at::stack({k, v}).contiguous();  // [2, b, hkv, s, d]
+      p.on_caller([&] { return p.allgather(mine, all); }).wait();
+    }
     auto whole = [&](int64_t i) {  // [b, hq, R·s, d] in fp32, kv heads repeated for GQA
       at::Tensor t = all.select(1, i).permute({1, 2, 0, 3, 4}).reshape({b, hkv, 1, R * s, d}).to(at::kFloat);
       return t.expand({b, hkv, g, R * s, d}).reshape({b, hq, R * s, d});
     };
+    std::optional<at::Tensor> mask;  // additive: -inf where a key comes after the query
+    if (causal) {
+      auto positions = [&](int rank) {  // global position of each of rank's s local positions
+        std::vector<at::Tensor> parts;
+        for (const Chunk& c : chunks_of(rank, R, s, zigzag)) parts.push_back(at::arange(c.pos, c.pos + c.len, at::kLong));
+        return at::cat(parts);
+      };
+      std::vector<at::Tensor> keys;
+      for (int src = 0; src < R; ++src) keys.push_back(positions(src));
+      const at::Tensor later = at::cat(keys).unsqueeze(0).gt(positions(me).unsqueeze(1)).to(q.device());  // [s, R·s]
+      mask = at::zeros({1, 1, s, R * s}, f32).masked_fill_(later.view({1, 1, s, R * s}),
+                                                            -std::numeric_limits<double>::infinity());
+    }
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
-                                                                   std::nullopt, sc);
-    p.trace("one host, no mask: allgather then one attention call over ", R * s, " keys");
+                                                                   mask, sc);
+    p.trace(have_all ? "carried" : "one host", causal ? ", causal" : ", no mask", ": one attention call over ", R * s,
+            " keys");
     // (the kernel returns [b, s, h]-ordered strides; the op's outputs are contiguous, as its fake kernel says)
     return {o.to(q.scalar_type()).contiguous(), l.contiguous()};
   }
+  p.trace("ring: ", R, " blocks");
   at::Tensor q32 = q.to(at::kFloat).reshape({b, hkv, g, s, d});
   at::Tensor out = at::zeros({b, hkv, g, s, d}, f32);
   at::Tensor lse = at::full({b, hkv, g, s}, -std::numeric_limits<double>::infinity(), f32);

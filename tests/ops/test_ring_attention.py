@@ -14,7 +14,14 @@ from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
 FAMILIES = ["attention", "grad", "errors", "opcheck"]
-worlds = WorldCache("attention_suite.py", timeout=240, env={"SUPERKERNEL_OPS_TRACE": "1"})
+# (carrying off: the suite's shapes are small enough to travel inside the agreement, which the carried test
+# below covers; these worlds test the ring itself)
+worlds = WorldCache("attention_suite.py", timeout=240,
+                    env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"})
+_TRACE = {"SUPERKERNEL_OPS_TRACE": "1"}
+_carry = WorldCache("attention_suite.py", timeout=240, env=_TRACE, gloo_env={**_TRACE, "SUPERKERNEL_OPS_BOARD": "0"})
+_PATH = re.compile(r"^\[mk ring_attention rank (\d+) call \d+\] "
+                   r"(carried, no mask|carried, causal|ring|one host, no mask)", re.MULTILINE)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,6 +44,27 @@ def test_one_host_unmasked_path(world: int, transport: str) -> None:
         gathered = re.findall(r"\[mk ring_attention rank \d+ call \d+\] one host, no mask", res.stderr)
         if transport == "tcp":
             assert not gathered, f"rank {res.rank}: the gather path ran over tcp"
+            assert "ring" in [p for _, p in _PATH.findall(res.stderr)], f"rank {res.rank}: no ring over tcp"
         seen += len(gathered)
     if transport != "tcp":
         assert seen, "no call took the one-host gather path"
+
+
+@pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "tcp"), (2, "gloo"), (3, "gloo")],
+                         ids=["2ranks-tcp", "3ranks-tcp", "2ranks-gloo", "3ranks-gloo"])
+def test_small_calls_carried(world: int, transport: str) -> None:
+    """With the default carry rule (at most 64 KiB of K/V sent by a rank; every shape of the suite is below
+    it), each rank's packed K/V travels inside the argument agreement: no ring steps follow, and one attention
+    call covers the gathered sequence (causal: masked from the global positions, zigzag or not). Over tcp every
+    forward call carries; on Gloo from the first call whose size the group's earlier agreements made room for.
+    Outputs and gradients match float64 SDPA; argument errors are still raised on every rank."""
+    results = _carry.results(world, transport, [])
+    for res in results:
+        paths = [p for _, p in _PATH.findall(res.stderr)]
+        assert "carried, no mask" in paths and "carried, causal" in paths, f"rank {res.rank}: {set(paths)}"
+        if transport == "tcp":
+            assert all(p.startswith("carried") for p in paths), f"rank {res.rank}: {set(paths)}"
+    reps = [r.report() for r in results]
+    for family in ("attention", "grad", "errors"):
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
