@@ -142,6 +142,19 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     local_problem = c10::str("zigzag layout needs an even local sequence length, got ", q.size(2));
   const CarryLimit cl = carry_limit(p);
   if (local_problem.empty()) local_problem = cl.problem;
+  // mk across hosts, CPU: the ring needs blocks of at least SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ positions
+  // (256) to pay for its per-block attention calls and merges; below it K/V is gathered after the agreement and
+  // one attention call covers the sequence, as unfused does. 2 namespace hosts at 1 Gbit/s, fused/unfused,
+  // ring against gather (bench/README.md): s=64x2 0.72x/0.92x (causal 0.74x/0.89x), s=128x2 0.80x/0.91x
+  // (0.92x/0.96x), s=256x2 0.89x/0.93x (causal 1.25x/0.91x: the zigzag ring skips the masked blocks).
+  // Every rank must pass the same value (part of the agreement).
+  const bool may_ring = R > 1 && grp.is_mk() && p.over_tcp() && q.device().is_cpu();
+  int64_t ring_min = 0;
+  if (may_ring) {
+    std::string bad;
+    ring_min = env_integer("SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", 256, 1, bad);
+    if (local_problem.empty()) local_problem = bad;
+  }
   const bool ok = local_problem.empty();
   const double sc = scale.value_or(ok && q.size(3) > 0 ? 1.0 / std::sqrt(double(q.size(3))) : 1.0);
   int64_t sc_bits = 0;
@@ -161,7 +174,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   Agreement agreement = p.start_agree({{"batch", dim(q, 0)}, {"query heads", dim(q, 1)}, {"kv heads", dim(k, 1)},
                                        {"local sequence", dim(q, 2)}, {"head_dim", dim(q, 3)},
                                        {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
-                                       {"scale (bits of the double)", sc_bits}},
+                                       {"scale (bits of the double)", sc_bits},
+                                       {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", ok ? ring_min : -1}},
                                       local_problem, std::move(carried));
   agreement.result();
   const bool have_all = agreement.carried();
@@ -177,9 +191,10 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), s = q.size(2), d = q.size(3), g = hq / hkv;
   auto f32 = q.options().dtype(at::kFloat);
   const bool one_host_cpu = grp.is_mk() && !p.over_tcp() && q.device().is_cpu();
-  if (R > 1 && s > 0 && ((!causal && one_host_cpu) || have_all)) {
-    // Every block already here, or no mask and every peer on this host: one attention call over the whole
-    // sequence. On one host the blocks would travel over shared memory, i.e. as copies on the cores the
+  const bool short_blocks = may_ring && s < ring_min;  // (every rank alike: s and the threshold were agreed)
+  if (R > 1 && s > 0 && ((!causal && one_host_cpu) || have_all || short_blocks)) {
+    // Every block already here, blocks too short for the ring across hosts, or no mask and every peer on this
+    // host: one attention call over the whole sequence. On one host the blocks would travel over shared memory, i.e. as copies on the cores the
     // attention needs, so nothing overlaps; one mk allgather of the packed K/V and one call cost less than R
     // calls and R-1 merges (memory: R blocks, as unfused). Keys in rank order: without a mask their order does
     // not matter; a causal mask is built from the global positions of the queries and of every rank's keys.
@@ -209,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     }
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
                                                                    mask, sc);
-    p.trace(have_all ? "carried" : "one host", causal ? ", causal" : ", no mask", ": one attention call over ", R * s,
+    p.trace(have_all ? "carried" : short_blocks ? "short blocks" : "one host", causal ? ", causal" : ", no mask", ": one attention call over ", R * s,
             " keys");
     // (the kernel returns [b, s, h]-ordered strides; the op's outputs are contiguous, as its fake kernel says)
     return {o.to(q.scalar_type()).contiguous(), l.contiguous()};

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -141,8 +142,42 @@ def check_errors() -> None:
                  "rank 0")
     if world > 1:
         expect_error("errors", "causal differs", lambda: ring_attention(x, x, x, causal=rank == 0), "causal")
+    if world > 1 and os.environ.get("SUPERKERNEL_TRANSPORT") == "tcp":
+        check_rule_errors()
     # the group stays usable after errors
     check_case((1, 2, 1, 3, 4), torch.float32, True, False, None)
+
+
+RULES_CHANGED = "[attention_suite] path rules changed"
+RULES_RESTORED = "[attention_suite] path rules restored"
+
+
+def check_rule_errors() -> None:
+    """Across hosts (tcp): SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ invalid on rank 0, or different between
+    ranks, is an error on every rank (the ring and the gather are different exchanges); a carry limit that
+    differs is not (every rank takes its usual path and the results stay right)."""
+    var, carry = "SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", "SUPERKERNEL_OPS_CARRY_BYTES"
+    saved = {v: os.environ.get(v) for v in (var, carry)}
+    x = torch.randn(1, 2, 4, 8)
+    print(RULES_CHANGED, file=sys.stderr, flush=True)  # (tests of the paths taken skip these calls)
+    try:
+        if rank == 0:
+            os.environ[var] = "zero"
+        expect_error("errors", "invalid ring threshold", lambda: ring_attention(x, x, x),
+                     f"{var} must be a positive integer, got 'zero'" if rank == 0 else "rank 0 rejected its arguments")
+        os.environ[var] = "1" if rank == 0 else "100000"
+        expect_error("errors", "ring threshold differs", lambda: ring_attention(x, x, x), f"{var} differs")
+        os.environ.pop(var)
+        os.environ[carry] = "0" if rank == 0 else "65536"
+        for causal in (False, True):
+            check_case((1, 2, 1, 3, 4), torch.float32, causal, False, None)
+    finally:
+        for v, value in saved.items():
+            if value is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = value
+        print(RULES_RESTORED, file=sys.stderr, flush=True)
 
 
 def check_opcheck() -> None:

@@ -14,14 +14,23 @@ from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
 FAMILIES = ["attention", "grad", "errors", "opcheck"]
-# (carrying off: the suite's shapes are small enough to travel inside the agreement, which the carried test
-# below covers; these worlds test the ring itself)
+# (carrying off and the ring from one position on: the suite's shapes are small enough to travel inside the
+# agreement, or to be gathered, which the tests below cover; these worlds test the ring itself)
 worlds = WorldCache("attention_suite.py", timeout=240,
-                    env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"})
+                    env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0",
+                         "SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ": "1"})
 _TRACE = {"SUPERKERNEL_OPS_TRACE": "1"}
 _carry = WorldCache("attention_suite.py", timeout=240, env=_TRACE, gloo_env={**_TRACE, "SUPERKERNEL_OPS_BOARD": "0"})
 _PATH = re.compile(r"^\[mk ring_attention rank (\d+) call \d+\] "
-                   r"(carried, no mask|carried, causal|ring|one host, no mask)", re.MULTILINE)
+                   r"(carried, no mask|carried, causal|short blocks, no mask|short blocks, causal|ring|one host, no mask)",
+                   re.MULTILINE)
+
+
+def paths_taken(stderr: str) -> list[str]:
+    """The path of every traced call, except those made while the suite had changed the path rules."""
+    kept = re.sub(r"\[attention_suite\] path rules changed.*?\[attention_suite\] path rules restored", "", stderr,
+                  flags=re.DOTALL)
+    return [p for _, p in _PATH.findall(kept)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -44,7 +53,7 @@ def test_one_host_unmasked_path(world: int, transport: str) -> None:
         gathered = re.findall(r"\[mk ring_attention rank \d+ call \d+\] one host, no mask", res.stderr)
         if transport == "tcp":
             assert not gathered, f"rank {res.rank}: the gather path ran over tcp"
-            assert "ring" in [p for _, p in _PATH.findall(res.stderr)], f"rank {res.rank}: no ring over tcp"
+            assert "ring" in paths_taken(res.stderr), f"rank {res.rank}: no ring over tcp"
         seen += len(gathered)
     if transport != "tcp":
         assert seen, "no call took the one-host gather path"
@@ -60,10 +69,28 @@ def test_small_calls_carried(world: int, transport: str) -> None:
     Outputs and gradients match float64 SDPA; argument errors are still raised on every rank."""
     results = _carry.results(world, transport, [])
     for res in results:
-        paths = [p for _, p in _PATH.findall(res.stderr)]
+        paths = paths_taken(res.stderr)
         assert "carried, no mask" in paths and "carried, causal" in paths, f"rank {res.rank}: {set(paths)}"
         if transport == "tcp":
             assert all(p.startswith("carried") for p in paths), f"rank {res.rank}: {set(paths)}"
+    reps = [r.report() for r in results]
+    for family in ("attention", "grad", "errors"):
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
+
+
+_short = WorldCache("attention_suite.py", timeout=240, env={**_TRACE, "SUPERKERNEL_OPS_CARRY_BYTES": "0"})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_short_blocks_gathered(world: int) -> None:
+    """Across hosts (tcp) with carrying off and the default ring threshold (256 positions per rank, above every
+    shape of the suite), K/V is gathered after the agreement and one attention call covers the sequence
+    (causal: masked by global positions): every traced call says so, and the results match float64 SDPA."""
+    results = _short.results(world, "tcp", [])
+    for res in results:
+        paths = set(paths_taken(res.stderr))
+        assert paths == {"short blocks, no mask", "short blocks, causal"}, f"rank {res.rank}: {paths}"
     reps = [r.report() for r in results]
     for family in ("attention", "grad", "errors"):
         problems = failures_of(reps, family)
