@@ -542,7 +542,11 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
       const size_t want = size_t(n_home[size_t(q)] * row_bytes), got = agreement.carried_bytes(q);
       const auto* msg = static_cast<const char*>(agreement.carried_from(q));
       int64_t from_byte = 0;
-      if (!g.is_mk()) std::memcpy(&from_byte, msg + me * int64_t(sizeof(int64_t)), sizeof(from_byte));
+      if (!g.is_mk()) {  // (the header of where each destination's rows start, then the rows)
+        TORCH_CHECK(got >= size_t(header), "mk ", op, ": rank ", me, ": rank ", q, " carried ", got,
+                    " bytes in the argument agreement, fewer than its header");
+        std::memcpy(&from_byte, msg + me * int64_t(sizeof(int64_t)), sizeof(from_byte));
+      }
       TORCH_CHECK(from_byte >= 0 && size_t(from_byte) + want <= got, "mk ", op, ": rank ", me, ": rank ", q,
                   " carried ", got, " bytes in the argument agreement, too few for the ", n_home[size_t(q)],
                   " rows it owes this rank (do the ranks hold handles of the same dispatch?)");

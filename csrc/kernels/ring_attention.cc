@@ -193,11 +193,12 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   const bool one_host_cpu = grp.is_mk() && !p.over_tcp() && q.device().is_cpu();
   const bool short_blocks = may_ring && s < ring_min;  // (every rank alike: s and the threshold were agreed)
   if (R > 1 && s > 0 && ((!causal && one_host_cpu) || have_all || short_blocks)) {
-    // Every block already here, blocks too short for the ring across hosts, or no mask and every peer on this
-    // host: one attention call over the whole sequence. On one host the blocks would travel over shared memory, i.e. as copies on the cores the
-    // attention needs, so nothing overlaps; one mk allgather of the packed K/V and one call cost less than R
-    // calls and R-1 merges (memory: R blocks, as unfused). Keys in rank order: without a mask their order does
-    // not matter; a causal mask is built from the global positions of the queries and of every rank's keys.
+    // Every block already here, blocks too short for the ring across hosts, or no mask and every peer on
+    // this host: one attention call over the whole sequence. On one host the blocks would travel over shared
+    // memory, i.e. as copies on the cores the attention needs, so nothing overlaps; one mk allgather of the
+    // packed K/V and one call cost less than R calls and R-1 merges (memory: R blocks, as unfused). Keys in
+    // rank order: without a mask their order does not matter; a causal mask is built from the global
+    // positions of the queries and of every rank's keys.
     at::Tensor all = at::empty({R, 2, b, hkv, s, d}, k.options());
     if (have_all) {
       for (int src = 0; src < R; ++src) all[src].copy_(carried_block(src));
@@ -213,7 +214,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     if (causal) {
       auto positions = [&](int rank) {  // global position of each of rank's s local positions
         std::vector<at::Tensor> parts;
-        for (const Chunk& c : chunks_of(rank, R, s, zigzag)) parts.push_back(at::arange(c.pos, c.pos + c.len, at::kLong));
+        for (const Chunk& c : chunks_of(rank, R, s, zigzag))
+          parts.push_back(at::arange(c.pos, c.pos + c.len, at::kLong));
         return at::cat(parts);
       };
       std::vector<at::Tensor> keys;
@@ -224,8 +226,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     }
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
                                                                    mask, sc);
-    p.trace(have_all ? "carried" : short_blocks ? "short blocks" : "one host", causal ? ", causal" : ", no mask", ": one attention call over ", R * s,
-            " keys");
+    p.trace(have_all ? "carried" : short_blocks ? "short blocks" : "one host", causal ? ", causal" : ", no mask",
+            ": one attention call over ", R * s, " keys");
     // (the kernel returns [b, s, h]-ordered strides; the op's outputs are contiguous, as its fake kernel says)
     return {o.to(q.scalar_type()).contiguous(), l.contiguous()};
   }

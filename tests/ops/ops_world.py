@@ -47,9 +47,11 @@ _RING_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatte
                          r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=\d+ \(proposed \d+, (automatic|requested \d+)\).* "
                          r"ring=(\d)( agreement=board)?( carried)?$", re.MULTILINE)
 
-# Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_rows), with
-# carrying off (carry_limit), which would otherwise take most of those calls.
-RING_ON_SMALL_SHAPES = {"SUPERKERNEL_OPS_RING_MIN_ROWS": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"}
+# Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_rows; the
+# attention ring's threshold in ring_attention.cc), with carrying off (pipeline.h's CarryLimit), which would
+# otherwise take most of those calls.
+RING_ON_SMALL_SHAPES = {"SUPERKERNEL_OPS_RING_MIN_ROWS": "1", "SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ": "1",
+                        "SUPERKERNEL_OPS_CARRY_BYTES": "0"}
 CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default (and kCarryMax, the most sent to one peer)
 _ELEMENT_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2}
 

@@ -130,3 +130,31 @@ def test_carries_small_calls_between_hosts(backend: str) -> None:
     for rep in reports:
         differ = [k for k, v in first["digests"].items() if rep["digests"].get(k) != v]
         assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
+
+
+# the traced calls of the MoE and attention ops, and whether they carried
+_CARRIED_TRACE = re.compile(r"^\[mk (moe_dispatch_gemm|moe_combine|ring_attention) rank \d+ call \d+\] (.*)$",
+                            re.MULTILINE)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"two namespace hosts unavailable: {REASON}")
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", ["moe_suite.py", "attention_suite.py"])
+@pytest.mark.parametrize("backend", ["mk", "gloo"])
+def test_moe_and_attention_carry_between_hosts(suite: str, backend: str) -> None:
+    """With the default rules the MoE ops and ring_attention carry small calls inside the agreement (mk: to
+    the other host over TCP and to this host's peer over shared memory, sizes per pair for the MoE ops; Gloo:
+    in the agreement's allgather): carried calls of every op of the suite, and the suite's references,
+    gradients and errors pass on all four ranks."""
+    reports, stderrs, _ = run(suite, backend, defaults=True)
+    problems = [f"rank {rep['rank']}: {family}: {f}" for rep in reports for family in SUITES[suite][0]
+                for f in rep["failures"].get(family, [])]
+    assert not problems, "\n".join(problems[:20])
+    carried: dict[str, int] = {}
+    for err in stderrs:
+        for op, rest in _CARRIED_TRACE.findall(err):
+            if rest.endswith(" carried") or rest.startswith("carried"):
+                carried[op] = carried.get(op, 0) + 1
+    ops = ["moe_dispatch_gemm", "moe_combine"] if suite == "moe_suite.py" else ["ring_attention"]
+    assert all(carried.get(op) for op in ops), carried
