@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import superkernel  # noqa: F401  (registers "mk")
 from superkernel.ops import attention_grad
 from superkernel.ops.attention import ring_attention, zigzag_positions
+from rank_tensors import path_rules_changed
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 # Gradients go through the rounded output (D = rowsum(dout * out)), one more rounding than the forward.
@@ -148,19 +149,13 @@ def check_errors() -> None:
     check_case((1, 2, 1, 3, 4), torch.float32, True, False, None)
 
 
-RULES_CHANGED = "[attention_suite] path rules changed"
-RULES_RESTORED = "[attention_suite] path rules restored"
-
-
 def check_rule_errors() -> None:
     """Across hosts (tcp): SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ invalid on rank 0, or different between
     ranks, is an error on every rank (the ring and the gather are different exchanges); a carry limit that
     differs is not (every rank takes its usual path and the results stay right)."""
     var, carry = "SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", "SUPERKERNEL_OPS_CARRY_BYTES"
-    saved = {v: os.environ.get(v) for v in (var, carry)}
     x = torch.randn(1, 2, 4, 8)
-    print(RULES_CHANGED, file=sys.stderr, flush=True)  # (tests of the paths taken skip these calls)
-    try:
+    with path_rules_changed(var, carry):
         if rank == 0:
             os.environ[var] = "zero"
         expect_error("errors", "invalid ring threshold", lambda: ring_attention(x, x, x),
@@ -171,13 +166,6 @@ def check_rule_errors() -> None:
         os.environ[carry] = "0" if rank == 0 else "65536"
         for causal in (False, True):
             check_case((1, 2, 1, 3, 4), torch.float32, causal, False, None)
-    finally:
-        for v, value in saved.items():
-            if value is None:
-                os.environ.pop(v, None)
-            else:
-                os.environ[v] = value
-        print(RULES_RESTORED, file=sys.stderr, flush=True)
 
 
 def check_opcheck() -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import superkernel  # noqa: F401  (registers "mk" and torch.ops.mk.*)
 import superkernel.ops as mk
-from rank_tensors import DTYPES, digest, mismatch, rank_tensor
+from rank_tensors import DTYPES, digest, mismatch, path_rules_changed, rank_tensor
 
 failures: dict[str, list[str]] = defaultdict(list)
 digests: dict[str, int] = {}
@@ -230,16 +230,10 @@ def invalid_on_rank0(name: str, var: str, value: str, kind: str, op: str, call) 
         call, op, f"{var} must be {kind} integer, got '{value}'" if rank == 0 else "rank 0 rejected its arguments"))
 
 
-RULES_CHANGED = "[gemm_suite] path rules changed"
-RULES_RESTORED = "[gemm_suite] path rules restored"
-
-
 def run_transport_rule_errors() -> None:
     """Across hosts: SUPERKERNEL_OPS_RING_MIN_ROWS and SUPERKERNEL_OPS_CARRY_BYTES, invalid or different
     between ranks."""
-    saved = {v: os.environ.get(v) for v in ("SUPERKERNEL_OPS_RING_MIN_ROWS", "SUPERKERNEL_OPS_CARRY_BYTES")}
-    print(RULES_CHANGED, file=sys.stderr, flush=True)  # (tests/ops/ops_world.py's gemm_paths skips these calls)
-    try:
+    with path_rules_changed("SUPERKERNEL_OPS_RING_MIN_ROWS", "SUPERKERNEL_OPS_CARRY_BYTES"):
         # the carry limit differs (rank 0 carries nothing, the others would): no error, every rank takes the
         # usual path and drops what came along; the results stay right
         if rank == 0:
@@ -264,13 +258,6 @@ def run_transport_rule_errors() -> None:
                 fn, name, "ring differs", "rank 0 has 0", f"rank {world - 1} has 1"))
         invalid_on_rank0("ring threshold invalid", "SUPERKERNEL_OPS_RING_MIN_ROWS", "many", "a positive",
                          "gemm_allreduce", lambda: mk.gemm_allreduce(torch.ones(64 * world, 3), torch.ones(3, 5)))
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-        print(RULES_RESTORED, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- gradients

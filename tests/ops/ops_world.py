@@ -56,6 +56,13 @@ CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default (and kCarryMax, 
 _ELEMENT_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2}
 
 
+def without_rule_changes(stderr: str) -> str:
+    """``stderr`` without the calls a rank script made while it had changed the path rules on some rank
+    (rank_tensors.py's path_rules_changed marks them)."""
+    return re.sub(r"\[rank suite\] path rules changed.*?\[rank suite\] path rules restored", "", stderr,
+                  flags=re.DOTALL)
+
+
 def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
                carry_bytes: int = 0) -> list[tuple[str, int, int, str, str]]:
     """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, the path it took,
@@ -67,9 +74,7 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default), gemm_allreduce's when moreover R divides m (m > 0),
     allgather_gemm's shard has ``min_rows`` rows. With every peer on this host: the collective paths."""
     calls = []
-    # (calls made while gemm_suite.py's rule checks had changed the variables on some rank are left out)
-    stderr = re.sub(r"\[gemm_suite\] path rules changed.*?\[gemm_suite\] path rules restored", "", stderr,
-                    flags=re.DOTALL)
+    stderr = without_rule_changes(stderr)
     traced = re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.*$", stderr,
                         flags=re.MULTILINE)
     unread = [line for line in traced if not _RING_TRACE.fullmatch(line)]

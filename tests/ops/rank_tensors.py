@@ -1,17 +1,42 @@
-"""Inputs and checks shared by the fused-op rank scripts (tests/ops/*_suite.py).
+"""Inputs, checks and path-rule changes shared by the fused-op rank scripts (tests/ops/*_suite.py).
 
 Every rank regenerates every other rank's inputs from a seed derived from (case key, rank, shape, dtype), so
 each rank computes the unfused reference in float64 from the whole world's inputs without communicating.
 """
 from __future__ import annotations
 
+import os
+import sys
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 # Relative tolerance of the max-norm error against the max-norm of the float64 reference.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Printed on stderr around calls made while a rank script changed the path rules (tests/ops/ops_world.py's
+# without_rule_changes drops them before the tests read which path each call took).
+RULES_CHANGED = "[rank suite] path rules changed"
+RULES_RESTORED = "[rank suite] path rules restored"
+
+
+@contextmanager
+def path_rules_changed(*names: str) -> Iterator[None]:
+    """The body may set or unset the environment variables ``names`` (on some ranks only): they are restored
+    after it, and its calls are marked on stderr as made under changed rules."""
+    saved = {name: os.environ.get(name) for name in names}
+    print(RULES_CHANGED, file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        print(RULES_RESTORED, file=sys.stderr, flush=True)
 
 
 def rank_tensor(key: str, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

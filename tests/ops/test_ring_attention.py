@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of
+from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of, without_rule_changes
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
 FAMILIES = ["attention", "grad", "errors", "opcheck"]
@@ -27,9 +27,7 @@ _PATH = re.compile(r"^\[mk ring_attention rank (\d+) call \d+\] ((?:carried|shor
 
 def paths_taken(stderr: str) -> list[str]:
     """The path of every traced call, except those made while the suite had changed the path rules."""
-    kept = re.sub(r"\[attention_suite\] path rules changed.*?\[attention_suite\] path rules restored", "", stderr,
-                  flags=re.DOTALL)
-    return [p for _, p in _PATH.findall(kept)]
+    return [p for _, p in _PATH.findall(without_rule_changes(stderr))]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
