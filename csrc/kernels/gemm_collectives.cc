@@ -306,8 +306,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true}},
                    std::move(carried));
-  // Other backends on CPU (Gloo): the agreement is a collective of its own (an allgather of 384 B took
-  // 343 us on Gloo here, as long as a 256^3 product), so this rank's own rows are multiplied while it
+  // Other backends on CPU (Gloo): the agreement is a collective of its own (an alltoall of 384 B took
+  // 0.27-0.32 ms on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
   // travels. Not on mk, where the agreement costs microseconds and splitting the GEMM in two measured slower
   // than the exchange it would hide (one host, 256^3 on 2 ranks: 0.92-0.94x of unfused against 0.97-1.03x).
   // Only when one chunk is planned: every rank then multiplies each rank's block with one GEMM of m rows,
@@ -619,19 +619,17 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
-  // Small blocks: the whole product is computed first and travels inside the agreement (on mk block q of it to
-  // rank q; elsewhere, in an allgather, all of it to every rank).
+  // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank q).
   Carried carried;
   const int64_t block_bytes = mb * n * int64_t(c10::elementSize(acc_t));
-  const int64_t carry_bytes = g.is_mk() ? block_bytes : R * block_bytes;
-  const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 && cl.fits(R, carry_bytes);
+  const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 && cl.fits(R, block_bytes);
   if (offer) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(acc_t));
     at::Tensor flat = full.view({m, n});
     at::mm_out(flat, half ? a.to(acc_t) : a, b);
-    carried.bytes = size_t(carry_bytes);
-    carried.data = [&full, each = g.is_mk()](int q) { return (each ? full.select(0, q) : full).data_ptr(); };
+    carried.bytes = size_t(block_bytes);
+    carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
                    std::move(carried));
@@ -652,11 +650,9 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   const int64_t C = ga.chunks();
   if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
-    const int64_t skip = g.is_mk() ? 0 : r * block_bytes;  // (elsewhere every rank's whole product came)
     auto part = [&](int q) {
       if (q == r) return full.select(0, r);
-      const auto* msg = static_cast<const char*>(ga.carried_from(q, size_t(carry_bytes)));
-      return at::from_blob(const_cast<char*>(msg + skip), {mb, n}, acc_out.options());
+      return at::from_blob(const_cast<void*>(ga.carried_from(q, size_t(block_bytes))), {mb, n}, acc_out.options());
     };
     at::add_out(acc_out, part(0), part(1));
     for (int q = 2; q < R; ++q) acc_out.add_(part(q));

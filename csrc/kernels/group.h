@@ -51,18 +51,17 @@ struct Field {
   bool must_match = true;  // every rank must pass the same value (otherwise it is only exchanged)
 };
 
-// Data that travels inside this rank's agreement message (not on the board): a tiny call's operand or partial
-// product, so the op needs no exchange after the agreement (one round trip instead of two). `bytes` (at most
-// kCarryMax) is what goes to every peer, `data(q)` what goes to peer q (read while the Agreement is
-// constructed: the message is a copy).
-//   mk     point-to-point messages, each receive taking up to kCarryMax bytes of it. With `size`, peer q gets
-//          size(q) bytes instead (0 allowed: the message is the descriptor alone; `bytes` is then their
-//          maximum): a routed exchange whose counts differ per pair.
-//   other  (CPU tensors) the descriptors' allgather, whose messages must have one size on every rank before
+// Data that travels inside this rank's agreement messages (not on the board): a tiny call's operand or partial
+// product, so the op needs no exchange after the agreement (one round trip instead of two). Peer q gets
+// size(q) bytes from data(q) (0 allowed: the message is then the descriptor alone), or without `size` `bytes`
+// bytes; `bytes` (at most kCarryMax) is the most any peer gets. data(q) is read while the Agreement is
+// constructed (the messages are copies).
+//   mk     point-to-point messages, each receive taking up to kCarryMax bytes of it.
+//   other  (CPU tensors) the descriptors' alltoall, whose messages must have one size on every rank before
 //          anything is exchanged, even on ranks at different calls: `room` bytes after each descriptor, decided
 //          from the group's earlier agreements alone (the most any rank proposed in the last 8; Pipeline keeps
-//          it). The data rides when `bytes` fits the room (the same data to every peer: data(0), `size`
-//          ignored); otherwise the room is padding. Every call proposes its `bytes` for the later ones.
+//          it). The data rides when `bytes` fits the room; otherwise the room is padding. Every call proposes
+//          its `bytes` for the later ones.
 // An offer needs `data`, and `bytes` > 0 or `size` (a routed exchange may have nothing to send).
 struct Carried {
   size_t bytes = 0;
@@ -78,7 +77,7 @@ constexpr size_t kCarryMax = size_t(64) << 10;
 // anything that needs only its own, locally checked, arguments: the exchange then hides behind that work.
 //   mk      one small message to and from every other rank straight over the transport (tag space of its
 //           own, matched in call order per pair), so nothing waits for a collective to be scheduled;
-//   other   one asynchronous allgather of the descriptors on the backend;
+//   other   one asynchronous alltoall of the descriptors on the backend (equal slots, one per rank);
 //   board   on either, once every rank is known to be on this host and has mapped its peers' boards: the
 //           descriptors go through `board` (shared memory, agreement_board.h).
 // result() throws on every rank, naming the op: with this rank's own error (`local_error`); "rank X rejected

@@ -150,8 +150,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   const int64_t row_size = h * x.element_size();                          // what a carried row takes
   const int64_t header = E * int64_t(sizeof(int64_t));  // a carried message starts with the sender's counts
 
-  // Small calls carry the counts and the routed rows inside the agreement: on mk, to each rank its rows (sizes
-  // per pair); elsewhere every row that leaves this rank, in destination order. Either after the counts.
+  // Small calls carry the counts and the routed rows inside the agreement: to each rank its rows (sizes per
+  // pair), after the counts.
   std::vector<int> others;
   for (int i = 1; i < R; ++i) others.push_back((me + i) % R);
   Carried carried;
@@ -162,33 +162,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
     for (int d = 0; d < R; ++d)
       for (int64_t e = 0; e < Er; ++e) rows_to[size_t(d)] += cnt[d * Er + e];
     for (int d = 1; d < R; ++d) row_at[size_t(d)] = row_at[size_t(d - 1)] + rows_to[size_t(d - 1)];
-    int64_t largest = 0, sum = 0, leaving = 0;
+    int64_t largest = 0, sum = 0;
     for (int d : others) {
       largest = std::max(largest, header + rows_to[size_t(d)] * row_size);
       sum += header + rows_to[size_t(d)] * row_size;
-      leaving += rows_to[size_t(d)] * row_size;
     }
-    const int64_t whole = header + leaving;
-    if (g.is_mk() ? cl.fits_routed(largest, sum) : cl.fits_routed(whole, int64_t(R - 1) * whole)) {
-      outbox = at::empty({g.is_mk() ? sum : whole}, x.options().dtype(at::kByte));
+    if (cl.fits_routed(largest, sum)) {
+      outbox = at::empty({sum}, x.options().dtype(at::kByte));
       auto* base = static_cast<char*>(outbox.data_ptr());
       const auto* rows = static_cast<const char*>(routed.data_ptr());
       int64_t at_byte = 0;
-      for (int d = 0; d < R; ++d) {  // (in rank order: a receiver finds its rows after those of lower ranks)
-        if (d == me) continue;
-        if (g.is_mk() || at_byte == 0) {  // (elsewhere one header, then every destination's rows)
-          out_at[size_t(d)] = at_byte;
-          std::memcpy(base + at_byte, cnt, size_t(header));
-          at_byte += header;
-        }
+      for (int d : others) {
+        out_at[size_t(d)] = at_byte;
+        std::memcpy(base + at_byte, cnt, size_t(header));
+        at_byte += header;
         const size_t n = size_t(rows_to[size_t(d)] * row_size);
         if (n) copy_bytes(base + at_byte, rows + row_at[size_t(d)] * row_size, n);
         at_byte += int64_t(n);
       }
-      carried.bytes = size_t(g.is_mk() ? largest : whole);
-      carried.data = [base, &out_at, each = g.is_mk()](int q) { return each ? base + out_at[size_t(q)] : base; };
-      if (g.is_mk())
-        carried.size = [&rows_to, header, row_size](int q) { return size_t(header + rows_to[size_t(q)] * row_size); };
+      carried.bytes = size_t(largest);
+      carried.data = [base, &out_at](int q) { return base + out_at[size_t(q)]; };
+      carried.size = [&rows_to, header, row_size](int q) { return size_t(header + rows_to[size_t(q)] * row_size); };
     }
   }
   Agreement agreement =
@@ -199,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
 
   const int64_t t = x.size(0), f = w.size(2);
   const at::Tensor C = at::empty({R, E}, counts.options());  // [R, E]: rows rank s sends to expert e
-  // Where rank q's rows for this rank start in its carried message (q's counts first, then its rows).
+  // Where rank q's rows for this rank start in its carried message (after q's counts).
   std::vector<const char*> carried_rows(size_t(R), nullptr);
   if (agreement.carried()) {
     C[me].copy_(counts);
@@ -210,20 +204,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
                   " bytes in the argument agreement, fewer than its ", E, " expert counts");
       std::memcpy(C[q].data_ptr(), msg, size_t(header));
       const auto* cq = reinterpret_cast<const int64_t*>(msg);  // (the message buffer is 8-byte aligned)
-      int64_t skip = 0, mine_rows = 0;  // rows before ours in q's message, and ours
-      for (int d = 0; d < R; ++d) {
-        int64_t n = 0;
-        for (int64_t e = 0; e < Er; ++e) n += cq[d * Er + e];
-        TORCH_CHECK(n >= 0, "mk ", op, ": rank ", me, ": rank ", q, " carried a negative expert count");
-        if (d == me)
-          mine_rows = n;
-        else if (!g.is_mk() && d != q && d < me)
-          skip += n;
+      int64_t mine_rows = 0;  // the rows q's counts send here
+      for (int64_t e = 0; e < Er; ++e) {
+        TORCH_CHECK(cq[me * Er + e] >= 0, "mk ", op, ": rank ", me, ": rank ", q, " carried a negative expert count");
+        mine_rows += cq[me * Er + e];
       }
-      TORCH_CHECK(size_t(header + (skip + mine_rows) * row_size) <= got, "mk ", op, ": rank ", me, ": rank ", q,
-                  " carried ", got, " bytes in the argument agreement, too few for the ", mine_rows,
-                  " rows its counts send here");
-      carried_rows[size_t(q)] = msg + header + skip * row_size;
+      TORCH_CHECK(size_t(header + mine_rows * row_size) <= got, "mk ", op, ": rank ", me, ": rank ", q, " carried ",
+                  got, " bytes in the argument agreement, too few for the ", mine_rows, " rows its counts send here");
+      carried_rows[size_t(q)] = msg + header;
     }
   } else {
     p.allgather(counts, C.view({-1})).wait();  // flat: Gloo splits the output like the input
@@ -496,8 +484,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
         home.narrow(0, home_start(me, e), n).copy_(yc.narrow(0, y_start(me, e), n));
   };
 
-  // Small calls carry the rows going back inside the agreement: on mk rank s's rows to rank s (sizes per
-  // pair), elsewhere every row that leaves this rank after a header of where each destination's rows start.
+  // Small calls carry the rows going back inside the agreement: rank s's rows to rank s (sizes per pair).
   std::vector<int> others;
   for (int i = 1; i < R; ++i) others.push_back((me + i) % R);
   int64_t largest = 0, leaving = 0;
@@ -505,25 +492,21 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     largest = std::max(largest, n_back[size_t(s)] * row_bytes);
     leaving += n_back[size_t(s)] * row_bytes;
   }
-  const int64_t header = R * int64_t(sizeof(int64_t)), whole = header + leaving;
-  const bool offer = ok && y.device().is_cpu() &&
-                     (g.is_mk() ? cl.fits_routed(largest, leaving) : cl.fits_routed(whole, int64_t(R - 1) * whole));
+  const bool offer = ok && y.device().is_cpu() && cl.fits_routed(largest, leaving);
   Carried carried;
   at::Tensor outbox;
   std::vector<int64_t> out_at(size_t(R), 0);  // byte offset of destination d's rows in `outbox`
   if (offer) {
-    outbox = at::empty({g.is_mk() ? leaving : whole}, y.options().dtype(at::kByte));
-    int64_t at_byte = g.is_mk() ? 0 : header;
+    int64_t at_byte = 0;
     for (int s : others) {
       out_at[size_t(s)] = at_byte;
       at_byte += n_back[size_t(s)] * row_bytes;
     }
-    auto* base = static_cast<char*>(outbox.data_ptr());
-    if (leaving) copy_bytes(base + (g.is_mk() ? 0 : header), gather_rows(others).data_ptr(), size_t(leaving));
-    if (!g.is_mk()) std::memcpy(base, out_at.data(), size_t(header));
-    carried.bytes = size_t(g.is_mk() ? largest : whole);
-    carried.data = [base, &out_at, each = g.is_mk()](int q) { return each ? base + out_at[size_t(q)] : base; };
-    if (g.is_mk()) carried.size = [&n_back, row_bytes](int q) { return size_t(n_back[size_t(q)] * row_bytes); };
+    if (leaving) outbox = gather_rows(others);  // (contiguous: destination s's rows at byte out_at[s])
+    auto* base = leaving ? static_cast<char*>(outbox.data_ptr()) : nullptr;
+    carried.bytes = size_t(largest);
+    carried.data = [base, &out_at](int q) { return base ? base + out_at[size_t(q)] : nullptr; };
+    carried.size = [&n_back, row_bytes](int q) { return size_t(n_back[size_t(q)] * row_bytes); };
   }
   Agreement agreement = p.start_agree({{"experts per rank", ok ? rt.Er : -1},
                                        {"expert output size (y.size(1))", ok ? y.size(1) : -1},
@@ -540,20 +523,13 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     for (int q : others) {
       if (!n_home[size_t(q)]) continue;
       const size_t want = size_t(n_home[size_t(q)] * row_bytes), got = agreement.carried_bytes(q);
-      const auto* msg = static_cast<const char*>(agreement.carried_from(q));
-      int64_t from_byte = 0;
-      if (!g.is_mk()) {  // (the header of where each destination's rows start, then the rows)
-        TORCH_CHECK(got >= size_t(header), "mk ", op, ": rank ", me, ": rank ", q, " carried ", got,
-                    " bytes in the argument agreement, fewer than its header");
-        std::memcpy(&from_byte, msg + me * int64_t(sizeof(int64_t)), sizeof(from_byte));
-      }
-      TORCH_CHECK(from_byte >= 0 && size_t(from_byte) + want <= got, "mk ", op, ": rank ", me, ": rank ", q,
-                  " carried ", got, " bytes in the argument agreement, too few for the ", n_home[size_t(q)],
+      TORCH_CHECK(want <= got, "mk ", op, ": rank ", me, ": rank ", q, " carried ", got,
+                  " bytes in the argument agreement, too few for the ", n_home[size_t(q)],
                   " rows it owes this rank (do the ranks hold handles of the same dispatch?)");
-      copy_bytes(home.narrow(0, off_home[size_t(q)], n_home[size_t(q)]).data_ptr(), msg + from_byte, want);
+      copy_bytes(home.narrow(0, off_home[size_t(q)], n_home[size_t(q)]).data_ptr(), agreement.carried_from(q), want);
     }
     keep_own_rows(home);
-  } else   if (!g.is_mk()) {
+  } else if (!g.is_mk()) {
     // One alltoall_base (see alltoall_step) that every rank issues, whatever its counts: a rank cannot know
     // from its handle whether the others move rows. Its own rows travel in it too (a local copy inside the
     // backend), so the output lands in `home` whole: the outbox is y's rows in (destination, expert) order,

@@ -113,7 +113,7 @@ class Pipeline {
   // The same, started now and checked by the returned Agreement's result(): compute that needs only this
   // rank's own (locally checked) arguments can run in between and hide the exchange. No communication of
   // the op may start before result() returned. `carried`: data sent inside the agreement's messages (group.h's
-  // Carried: over mk's transport, or in another backend's allgather of CPU descriptors; never on the board).
+  // Carried: over mk's transport, or in another backend's alltoall of CPU descriptors; never on the board).
   Agreement start_agree(std::vector<Field> fields, const std::string& local_error, Carried carried = {});
 
   // This rank's proposal for the chunk count: `requested` > 0 wins (clamped to [1, max_chunks]); 0 picks
@@ -262,7 +262,7 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // call makes one exchange instead of the agreement's round trip followed by the op's own (2 namespace hosts at
 // 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused on mk, 0.41x on Gloo, where the agreement's
 // extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other backends with
-// CPU tensors (where the agreement is an allgather: the data rides from the second call of the op with that
+// CPU tensors (where the agreement is an alltoall: the data rides from the second call of the op with that
 // payload size on, see Carried::room; on one host the board soon takes the agreement instead). Taken when
 // this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (64 KiB; 0 turns it off) to all peers together, and at
 // most kCarryMax to each, with an automatic chunk count; the op then uses it only if every rank carried its

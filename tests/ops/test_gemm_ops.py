@@ -195,7 +195,7 @@ def test_small_calls_carried(world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_small_calls_carried(world: int) -> None:
-    """On Gloo the agreement is an allgather of equal-size messages: small payloads ride in a room every rank
+    """On Gloo the agreement is an alltoall of equal-size slots: small payloads ride in a room every rank
     sizes alike from the group's earlier agreements (also when the ranks are at different ops, which the error
     suite checks). Carried calls happen for every op, only with an automatic chunk count and at most 64 KiB
     sent by a rank; results match the float64 reference, are the same bytes on every rank, and the errors are
@@ -207,7 +207,9 @@ def test_gloo_small_calls_carried(world: int) -> None:
                                res.stderr, flags=re.MULTILINE):
             op, m, k, n, dtype = re.match(r"\[mk (\w+) .*\] m=(\d+) k(?:_r)?=(\d+) n=(\d+) (\w+) ", line).groups()
             assert "automatic" in line, line
-            size = int(m) * int(k) * (4 if dtype == "Float" else 2) if op == "allgather_gemm" else int(m) * int(n) * 4
+            # what one peer gets: the shard (allgather_gemm), the product (gemm_allreduce), its block of it
+            size = {"allgather_gemm": int(m) * int(k) * (4 if dtype == "Float" else 2), "gemm_allreduce": int(m) * int(n) * 4,
+                    "gemm_reducescatter": int(m) // world * int(n) * 4}[op]
             assert 0 < (world - 1) * size <= CARRY_BYTES, line
             carried[op] = carried.get(op, 0) + 1
     assert set(carried) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, carried

@@ -108,7 +108,7 @@ def test_mk_takes_the_cross_host_paths() -> None:
 def test_carries_small_calls_between_hosts(backend: str) -> None:
     """With the default rules, small calls carry their payload inside the agreement's messages: on mk to the
     other host's ranks over TCP and to this host's over shared memory, every call taking the path the rules
-    give; on Gloo in the agreement's allgather. The suite (float64 references, gradients, mismatch errors)
+    give; on Gloo in the agreement's alltoall. The suite (float64 references, gradients, mismatch errors)
     passes with identical results everywhere."""
     reports, stderrs, _ = run("gemm_suite.py", backend, defaults=True)
     problems = [f"rank {rep['rank']}: {family}: {f}" for rep in reports for family in SUITES["gemm_suite.py"][0]
@@ -145,7 +145,7 @@ _CARRIED_TRACE = re.compile(r"^\[mk (moe_dispatch_gemm|moe_combine|ring_attentio
 def test_moe_and_attention_carry_between_hosts(suite: str, backend: str) -> None:
     """With the default rules the MoE ops and ring_attention carry small calls inside the agreement (mk: to
     the other host over TCP and to this host's peer over shared memory, sizes per pair for the MoE ops; Gloo:
-    in the agreement's allgather): carried calls of every op of the suite, and the suite's references,
+    in the agreement's alltoall): carried calls of every op of the suite, and the suite's references,
     gradients and errors pass on all four ranks."""
     reports, stderrs, _ = run(suite, backend, defaults=True)
     problems = [f"rank {rep['rank']}: {family}: {f}" for rep in reports for family in SUITES[suite][0]
