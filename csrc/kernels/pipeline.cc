@@ -58,6 +58,8 @@ using Lane = JobThread;
 // Gloo worker that released a Python-owned tensor called std::terminate. ProcessGroup releases its backends
 // when its last strong reference goes (release_resources), so they are destroyed on time.
 constexpr size_t kRoomHistory = 8;
+// Other backends on CPU: allgathers of at most this many bytes per rank run as an alltoall (Pipeline::allgather).
+constexpr size_t kAlltoallGatherBytes = size_t(256) << 10;
 
 struct GroupState {
   c10::weak_intrusive_ptr<c10d::ProcessGroup> pg{c10::intrusive_ptr<c10d::ProcessGroup>()};  // whose state
@@ -682,6 +684,17 @@ Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {
     return backend->_allgather_base(o, i, c10d::AllgatherOptions());
   };
   if (g_.is_mk()) return lane_collective(issue, "allgather", {in, out});
+  if (g_.device.is_cpu() && g_.size > 1 && in.nbytes() <= kAlltoallGatherBytes) {
+    // The same result from the backend's alltoall, each peer's slot a copy of `in` (what it receives lands at
+    // rank order in `out`, as an allgather's would): on Gloo cheaper up to a few hundred KiB. Two namespace
+    // hosts, 1 Gbit/s, 2 ranks, median: 384 B allgather 0.43 ms against alltoall 0.34 ms, 4 KiB 0.46 / 0.37,
+    // 64 KiB 0.49 / 0.40, 256 KiB 0.79 / 0.72, 1 MiB 5.9 / 5.9, 4 MiB 36 / 42.
+    at::Tensor copies = in.reshape({1, -1}).expand({g_.size, in.numel()}).contiguous().view({-1});
+    at::Tensor o = handoff(out.view({-1}));  // (a fresh tensor: `copies` is one already)
+    std::vector<int64_t> equal;  // (empty: equal slots)
+    return backend_work(backend->alltoall_base(o, copies, equal, equal, c10d::AllToAllOptions()),
+                        cat("mk ", op_, ": allgather (as an alltoall)").c_str(), -1, {copies, out});
+  }
   return backend_work(issue(), cat("mk ", op_, ": allgather").c_str(), -1, {in, out});
 }
 

@@ -163,7 +163,8 @@ class Pipeline {
   // Collectives (sum) on contiguous (sub-)tensors, run in issue order, asynchronously.
   Pending allreduce(const at::Tensor& t);
   Pending reduce_scatter(const at::Tensor& in, const at::Tensor& out);  // in: R x out.numel()
-  Pending allgather(const at::Tensor& in, const at::Tensor& out);       // out: R x in.numel()
+  // out: R x in.numel(). (Other backends on CPU, up to 256 KiB per rank: their alltoall, which is cheaper.)
+  Pending allgather(const at::Tensor& in, const at::Tensor& out);
   // Rows of dim 0 split per peer (empty splits = even).
   Pending alltoall(const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
                    std::vector<int64_t> in_splits);
