@@ -165,8 +165,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   // then holds every block after one exchange, instead of the agreement's round trip and R - 1 ring steps.
   at::Tensor mine;  // this rank's packed K/V, once made
   Carried carried;
-  if (ok && R > 1 && q.device().is_cpu() && q.size(2) > 0 &&
-      cl.fits(R, 2 * k.size(0) * k.size(1) * k.size(2) * k.size(3) * int64_t(k.element_size()))) {
+  const int64_t kv_bytes = ok ? 2 * k.size(0) * k.size(1) * k.size(2) * k.size(3) * int64_t(k.element_size()) : 0;
+  if (ok && R > 1 && q.device().is_cpu() && q.size(2) > 0 && cl.fits(R, kv_bytes)) {
     mine = at::stack({k, v}).contiguous();
     carried.bytes = size_t(mine.nbytes());
     carried.data = [&mine](int) { return mine.data_ptr(); };
@@ -199,15 +199,20 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     // packed K/V and one call cost less than R calls and R-1 merges (memory: R blocks, as unfused). Keys in
     // rank order: without a mask their order does not matter; a causal mask is built from the global
     // positions of the queries and of every rank's keys.
-    at::Tensor all = at::empty({R, 2, b, hkv, s, d}, k.options());
+    // K and V of the whole sequence, [2, b, hkv, R·s, d], keys in rank order: carried blocks are copied
+    // straight into their place; a gather's output [R, 2, b, hkv, s, d] is reordered in one copy.
+    at::Tensor kv;
     if (have_all) {
-      for (int src = 0; src < R; ++src) all[src].copy_(carried_block(src));
+      kv = at::empty({2, b, hkv, R * s, d}, k.options());
+      for (int src = 0; src < R; ++src) kv.narrow(3, src * s, s).copy_(carried_block(src));
     } else {
+      at::Tensor all = at::empty({R, 2, b, hkv, s, d}, k.options());
       mine = at::stack({k, v}).contiguous();  // [2, b, hkv, s, d]
       p.on_caller([&] { return p.allgather(mine, all); }).wait();
+      kv = all.permute({1, 2, 3, 0, 4, 5}).reshape({2, b, hkv, R * s, d});
     }
     auto whole = [&](int64_t i) {  // [b, hq, R·s, d] in fp32, kv heads repeated for GQA
-      at::Tensor t = all.select(1, i).permute({1, 2, 0, 3, 4}).reshape({b, hkv, 1, R * s, d}).to(at::kFloat);
+      at::Tensor t = kv.select(0, i).to(at::kFloat).unsqueeze(2);
       return t.expand({b, hkv, g, R * s, d}).reshape({b, hq, R * s, d});
     };
     std::optional<at::Tensor> mask;  // additive: -inf where a key comes after the query
@@ -227,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
                                                                    mask, sc);
     p.trace(have_all ? "carried" : short_blocks ? "short blocks" : "one host", causal ? ", causal" : ", no mask",
-            ": one attention call over ", R * s, " keys");
+            ": one attention call over ", R * s, " keys (K/V ", kv_bytes, " B a rank)");
     // (the kernel returns [b, s, h]-ordered strides; the op's outputs are contiguous, as its fake kernel says)
     return {o.to(q.scalar_type()).contiguous(), l.contiguous()};
   }

@@ -59,17 +59,28 @@ def test_one_host_unmasked_path(world: int, transport: str) -> None:
 @pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "tcp"), (2, "gloo"), (3, "gloo")],
                          ids=["2ranks-tcp", "3ranks-tcp", "2ranks-gloo", "3ranks-gloo"])
 def test_small_calls_carried(world: int, transport: str) -> None:
-    """With the default carry rule (at most 64 KiB of K/V sent by a rank; every shape of the suite is below
-    it), each rank's packed K/V travels inside the argument agreement: no ring steps follow, and one attention
-    call covers the gathered sequence (causal: masked from the global positions, zigzag or not). Over tcp every
-    forward call carries; on Gloo from the first call whose size the group's earlier agreements made room for.
-    Outputs and gradients match float64 SDPA; argument errors are still raised on every rank."""
+    """With the default carry rule (at most 64 KiB of K/V sent by a rank), each rank's packed K/V travels
+    inside the argument agreement: no ring steps follow, and one attention call covers the gathered sequence
+    (causal: masked from the global positions, zigzag or not). Over tcp exactly the calls under the rule carry;
+    the suite's largest shape (128 KiB a rank in float32) is gathered after the agreement (its blocks are
+    under the ring threshold). On Gloo from the first call whose size the group's earlier agreements made room
+    for, never above the rule. Outputs and gradients match float64 SDPA; argument errors are still raised on
+    every rank."""
     results = _carry.results(world, transport, [])
     for res in results:
         paths = paths_taken(res.stderr)
         assert "carried, no mask" in paths and "carried, causal" in paths, f"rank {res.rank}: {set(paths)}"
+        traced = re.findall(r"\] (carried|short blocks), .* \(K/V (\d+) B a rank\)",
+                            without_rule_changes(res.stderr))
+        for path, kv in traced:
+            fits = (world - 1) * int(kv) <= 65536
+            if transport == "tcp":
+                assert (path == "carried") == fits, f"rank {res.rank}: {path} with {kv} B of K/V"
+            else:
+                assert path == "carried" and fits, f"rank {res.rank}: {path} with {kv} B of K/V"
         if transport == "tcp":
-            assert all(p.startswith("carried") for p in paths), f"rank {res.rank}: {set(paths)}"
+            assert set(paths) <= {"carried, no mask", "carried, causal", "short blocks, no mask", "short blocks, causal"}
+            assert any(p == "short blocks" for p, _ in traced), f"rank {res.rank}: no call above the rule"
     reps = [r.report() for r in results]
     for family in ("attention", "grad", "errors"):
         problems = failures_of(reps, family)

@@ -146,15 +146,26 @@ def test_moe_and_attention_carry_between_hosts(suite: str, backend: str) -> None
     """With the default rules the MoE ops and ring_attention carry small calls inside the agreement (mk: to
     the other host over TCP and to this host's peer over shared memory, sizes per pair for the MoE ops; Gloo:
     in the agreement's alltoall): carried calls of every op of the suite, and the suite's references,
-    gradients and errors pass on all four ranks."""
+    gradients and errors pass on all four ranks. On mk an attention block whose K/V to the three peers
+    exceeds the 64 KiB rule is gathered after the agreement."""
     reports, stderrs, _ = run(suite, backend, defaults=True)
     problems = [f"rank {rep['rank']}: {family}: {f}" for rep in reports for family in SUITES[suite][0]
                 for f in rep["failures"].get(family, [])]
     assert not problems, "\n".join(problems[:20])
     carried: dict[str, int] = {}
+    gathered_large = 0
     for err in stderrs:
         for op, rest in _CARRIED_TRACE.findall(err):
             if rest.endswith(" carried") or rest.startswith("carried"):
                 carried[op] = carried.get(op, 0) + 1
+            kv = re.search(r"\(K/V (\d+) B a rank\)", rest)
+            if kv and backend == "mk":
+                if rest.startswith("carried"):
+                    assert 3 * int(kv.group(1)) <= 65536, rest
+                else:
+                    assert rest.startswith("short blocks") and 3 * int(kv.group(1)) > 65536, rest
+                    gathered_large += 1
+    if suite == "attention_suite.py" and backend == "mk":
+        assert gathered_large, "no call with more than 64 KiB of K/V to send took the gather path"
     ops = ["moe_dispatch_gemm", "moe_combine"] if suite == "moe_suite.py" else ["ring_attention"]
     assert all(carried.get(op) for op in ops), carried
