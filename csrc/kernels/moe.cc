@@ -16,10 +16,10 @@
 // that expert's weight (fp32 accumulation) straight into its place in the output, so the products of one
 // piece overlap the transfers of the next.
 // Small calls (pipeline.h's CarryLimit: mk with a peer across hosts, or another backend on CPU; at most 64 KiB
-// sent by a rank) carry their counts and routed rows inside the agreement's messages (mk: to each rank its
-// own rows; elsewhere every row that leaves, in destination order, after the counts), so the whole dispatch is
-// one exchange; combine carries the rows going back the same way. On 2 namespace hosts at 1 Gbit/s this took
-// dispatch from 1.08x/0.96x of unfused to 1.88x/1.52x and combine from 0.72x to 1.03x/0.97x (bench/README.md).
+// sent by a rank) carry their counts and routed rows inside the agreement's messages (to each rank its own
+// rows, after the counts), so the whole dispatch is one exchange; combine carries the rows going back the same
+// way. On 2 namespace hosts at 1 Gbit/s this took dispatch from 1.08x/0.96x of unfused to 1.88x/1.52x and
+// combine from 0.72x to 1.03x/0.97x over mk; over Gloo 1.58x/1.54x and 0.91x/0.88x (bench/README.md).
 //
 // Output order of y [n_recv, f]: by local expert, then source rank, then token index, then choice.
 //
