@@ -173,6 +173,20 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   }
   if (wants && other_cpu) s.mine[kWant] = int64_t(carried.bytes);
   s.theirs.assign(size_t(R) * kWords, 0);
+  // What this rank carries to peer q (when it carries), and peer q's message written at dst: the descriptor,
+  // saying how many bytes follow it, then those bytes.
+  auto bytes_to = [&](int q) {
+    const size_t bytes = carried.size ? carried.size(q) : carried.bytes;
+    TORCH_CHECK(bytes <= carried.bytes, "mk ", op, ": rank ", g.rank, ": carries ", bytes, " bytes to rank ", q,
+                ", more than the ", carried.bytes, " it announced");
+    return bytes;
+  };
+  auto write_message = [&](char* dst, int q, size_t bytes) {
+    std::memcpy(dst, s.mine.data(), kDescriptorBytes);
+    const int64_t announced = int64_t(bytes);
+    std::memcpy(dst + kCarried * sizeof(int64_t), &announced, sizeof(announced));
+    if (bytes) std::memcpy(dst + kDescriptorBytes, carried.data(q), bytes);
+  };
   std::copy(s.mine.begin(), s.mine.end(), s.theirs.begin() + ptrdiff_t(size_t(g.rank) * kWords));
   if (R == 1) return;
   if (s.board && s.board->active()) {
@@ -210,16 +224,10 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
           continue;
         }
         const void* data = carried.data(q);
-        const size_t bytes = carried.size ? carried.size(q) : carried.bytes;
-        TORCH_CHECK(bytes <= carried.bytes, "mk ", op, ": rank ", g.rank, ": carries ", bytes, " bytes to rank ", q,
-                    ", more than the ", carried.bytes, " it announced");
+        const size_t bytes = bytes_to(q);
         if (s.outbox.empty() || data != last_data || bytes != last_bytes) {
           at::Tensor msg = at::empty({int64_t(kDescriptorBytes + bytes)}, bytes_opts);
-          auto* dst = static_cast<char*>(msg.data_ptr());
-          std::memcpy(dst, s.mine.data(), kDescriptorBytes);
-          const int64_t announced = int64_t(bytes);
-          std::memcpy(dst + kCarried * sizeof(int64_t), &announced, sizeof(announced));
-          if (bytes) std::memcpy(dst + kDescriptorBytes, data, bytes);
+          write_message(static_cast<char*>(msg.data_ptr()), q, bytes);
           s.outbox.push_back(std::move(msg));
           last_data = data;
           last_bytes = bytes;
@@ -247,16 +255,8 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   const size_t slot_bytes = size_t(s.words) * sizeof(int64_t);
   s.in = at::zeros({R * s.words}, opts);
   auto* slots = static_cast<char*>(s.in.data_ptr());
-  for (int q = 0; q < R; ++q) {
-    char* dst = slots + size_t(q) * slot_bytes;
-    std::memcpy(dst, s.mine.data(), kDescriptorBytes);
-    const size_t bytes = carry && q != g.rank ? (carried.size ? carried.size(q) : carried.bytes) : 0;
-    TORCH_CHECK(bytes <= carried.bytes, "mk ", op, ": rank ", g.rank, ": carries ", bytes, " bytes to rank ", q,
-                ", more than the ", carried.bytes, " it announced");
-    const int64_t announced = int64_t(bytes);
-    std::memcpy(dst + kCarried * sizeof(int64_t), &announced, sizeof(announced));
-    if (bytes) std::memcpy(dst + kDescriptorBytes, carried.data(q), bytes);
-  }
+  for (int q = 0; q < R; ++q)
+    write_message(slots + size_t(q) * slot_bytes, q, carry && q != g.rank ? bytes_to(q) : 0);
   if (!g.device.is_cpu()) s.in = s.in.to(g.device);
   s.out = at::empty({R * s.words}, opts.device(g.device));
   std::vector<int64_t> equal_splits;  // (empty: R equal slots)

@@ -208,8 +208,8 @@ def test_gloo_small_calls_carried(world: int) -> None:
             op, m, k, n, dtype = re.match(r"\[mk (\w+) .*\] m=(\d+) k(?:_r)?=(\d+) n=(\d+) (\w+) ", line).groups()
             assert "automatic" in line, line
             # what one peer gets: the shard (allgather_gemm), the product (gemm_allreduce), its block of it
-            size = {"allgather_gemm": int(m) * int(k) * (4 if dtype == "Float" else 2), "gemm_allreduce": int(m) * int(n) * 4,
-                    "gemm_reducescatter": int(m) // world * int(n) * 4}[op]
+            size = {"allgather_gemm": int(m) * int(k) * (4 if dtype == "Float" else 2),
+                    "gemm_allreduce": int(m) * int(n) * 4, "gemm_reducescatter": int(m) // world * int(n) * 4}[op]
             assert 0 < (world - 1) * size <= CARRY_BYTES, line
             carried[op] = carried.get(op, 0) + 1
     assert set(carried) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, carried
