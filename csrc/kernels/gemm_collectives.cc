@@ -31,8 +31,9 @@
 // Every op first agrees with the other ranks on shapes, dtype and chunk count (group.h's Agreement). When one
 // chunk is planned outside the in-place paths, gemm_allreduce and gemm_reducescatter compute the whole product
 // while that exchange travels, so it costs nothing on the critical path.
-// Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside); partial sums that cross ranks
-// are fp32 and rounded to the input type once at the end. `chunks` = 0 picks the count automatically (one
+// Half types (bf16, fp16): products use ATen's mm (fp32 accumulation inside; on the CPU in the input type, see
+// Products); partial sums that cross ranks are fp32 (carried products travel in the type they were made in)
+// and rounded to the input type once at the end. `chunks` = 0 picks the count automatically (one
 // chunk when every peer is on this host: see Pipeline::chunks; the in-place paths then chunk by slot).
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
@@ -70,6 +71,52 @@ std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char*
 }
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
+
+// How the ops multiply. A half type (bf16, fp16) is multiplied as it is where ATen's GEMM is fast on it
+// (native_half_gemm: accumulated in fp32 inside, rounded once, as the unfused matmul does), else on operands
+// widened to fp32 (b once per call). A product goes into a destination of any float type: gemm_allreduce and
+// gemm_reducescatter sum partial products across ranks in fp32, allgather_gemm writes the input type.
+struct Products {
+  at::Tensor b;       // as multiplied: as given (strides too, see allgather_gemm), or widened to fp32
+  bool widen = false;
+  // The dtype of a product as made: the input type, or fp32 for a half type without a fast GEMM.
+  static at::ScalarType type(const at::Tensor& a) {
+    const at::ScalarType t = a.scalar_type();
+    return t == at::kFloat || native_half_gemm(t, a.device()) ? t : at::kFloat;
+  }
+  Products(const at::Tensor& a, const at::Tensor& b_in) : widen(type(a) != a.scalar_type()) {
+    b = widen ? b_in.to(at::kFloat) : b_in;
+  }
+  // dst = rows @ b, whatever dst's float type.
+  void into(at::Tensor dst, const at::Tensor& rows) const {
+    const at::Tensor lhs = widen ? rows.to(at::kFloat) : rows;
+    if (dst.scalar_type() == b.scalar_type())
+      at::mm_out(dst, lhs, b);
+    else
+      dst.copy_(at::mm(lhs, b));
+  }
+  // rows @ b in type(): into `acc` when that is its type, else a new tensor.
+  at::Tensor made(const at::Tensor& rows, at::Tensor& acc) const {
+    if (acc.defined() && acc.scalar_type() == b.scalar_type()) {
+      into(acc, rows);
+      return acc;
+    }
+    return at::mm(widen ? rows.to(at::kFloat) : rows, b);
+  }
+};
+
+// The sum over ranks of `part(q)` (each [rows, n], the product type) in fp32 (`acc`'s type), in rank order, so
+// every rank gets the same bits.
+template <class Part>
+void sum_in_rank_order(at::Tensor& acc, int R, Part part) {
+  if (part(0).scalar_type() == acc.scalar_type() && part(1).scalar_type() == acc.scalar_type()) {
+    at::add_out(acc, part(0), part(1));
+  } else {  // widened first: adding two half tensors would round their sum to the half type
+    acc.copy_(part(0));
+    acc.add_(part(1));
+  }
+  for (int q = 2; q < R; ++q) acc.add_(part(q));
+}
 
 // Fewest rows per GEMM for which the rings over the transport (mk, a peer across hosts) are taken. A ring
 // multiplies one block of rows per step, and every GEMM packs b again: with few rows the product is that
@@ -145,6 +192,14 @@ class GemmAgreement {
                 " bytes in the argument agreement, expected ", bytes);
     return agreement_->carried_from(q);
   }
+  // ... as a [rows, cols] product: fp32 or the input type, as its size says (a rank whose processor has no
+  // fast GEMM for a half type makes, and carries, fp32 products; see Products).
+  at::Tensor carried_product(int q, int64_t rows, int64_t cols, const at::TensorOptions& opts) const {
+    const size_t elems = size_t(rows * cols);
+    const at::ScalarType t = agreement_->carried_bytes(q) == elems * sizeof(float) ? at::kFloat : dtype_;
+    return at::from_blob(const_cast<void*>(carried_from(q, elems * c10::elementSize(t))), {rows, cols},
+                         opts.dtype(t));
+  }
 
  private:
   Pipeline& p_;
@@ -166,14 +221,12 @@ class GemmAgreement {
 // same ring once more (an allgather into the other blocks of *all): each chunk of this rank's block is sent
 // on the moment it is final, so that transfer overlaps the products still to come; ranks beyond the next
 // forward what they receive after the last product (R > 2).
-void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& out, int64_t mb,
-                        const std::vector<std::pair<int64_t, int64_t>>& ranges, at::ScalarType acc_t,
-                        const at::Tensor* all = nullptr) {
+void ring_reducescatter(Pipeline& p, const at::Tensor& a, const Products& prod, at::Tensor& out, int64_t mb,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, const at::Tensor* all = nullptr) {
   const int R = p.size(), r = p.rank();
   const int next = (r + 1) % R, prev = (r - 1 + R) % R;
-  const int64_t n = b.size(1), C = int64_t(ranges.size());
-  const bool convert = a.scalar_type() != acc_t;
-  auto opts = a.options().dtype(acc_t);
+  const int64_t n = prod.b.size(1), C = int64_t(ranges.size());
+  auto opts = out.options();
   at::Tensor incoming = at::empty({R - 1, mb, n}, opts);  // step s (>= 1) receives into incoming[s - 1]
   at::Tensor first = at::empty({mb, n}, opts);            // step 0's products, sent as they are
   at::Tensor scratch = at::empty({mb, n}, opts);
@@ -201,24 +254,23 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const at::Tensor& b, a
       auto [lo, hi] = ranges[size_t(i)];
       const int64_t rows = hi - lo;
       at::Tensor src = a.narrow(0, blk * mb + lo, rows);
-      if (convert) src = src.to(acc_t);
       if (s == 0) {
         at::Tensor dst = first.narrow(0, lo, rows);
-        at::mm_out(dst, src, b);
+        prod.into(dst, src);
         if (R > 1) sends.push_back(p.send(dst, next, uint32_t(i)));
         if (R == 1) out.narrow(0, lo, rows).copy_(dst);
         continue;
       }
-      at::Tensor prod = s + 1 < R ? scratch.narrow(0, lo, rows) : out.narrow(0, lo, rows);
-      at::mm_out(prod, src, b);
+      at::Tensor mine = s + 1 < R ? scratch.narrow(0, lo, rows) : out.narrow(0, lo, rows);
+      prod.into(mine, src);
       recvs[size_t((s - 1) * C + i)].wait();
       at::Tensor sum = incoming.select(0, s - 1).narrow(0, lo, rows);
       if (s + 1 < R) {
-        sum.add_(prod);
+        sum.add_(mine);
         sends.push_back(p.send(sum, next, uint32_t(s * C + i)));
       } else {
-        prod.add_(sum);
-        if (all) sends.push_back(p.send(prod, next, ag + uint32_t(i)));
+        mine.add_(sum);
+        if (all) sends.push_back(p.send(mine, next, ag + uint32_t(i)));
       }
     }
   }
@@ -288,10 +340,12 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   if (err.empty()) err = cl.problem;
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
-  at::Tensor a, b = b_in, c;
+  at::Tensor a, c;
+  std::optional<Products> prod;  // (fp16 without a fast CPU GEMM: on widened operands, see Products)
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
+    prod.emplace(a_in, b_in);
     c = at::empty({R * m, n}, a.options());
   };
   // A small shard travels inside the agreement (its bytes to every peer).
@@ -327,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     at::Tensor src = buf.narrow(0, shift, m * k).view({m, k});
     src.copy_(a);
     at::Tensor own = c.narrow(0, r * m, m);
-    at::mm_out(own, src, b);
+    prod->into(own, src);
   }
   const int64_t C = ga.chunks();
   prepare();
@@ -351,7 +405,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
       else
         copy_bytes(dst.data_ptr(), ga.carried_from(q, dst.nbytes()), dst.nbytes());
     }
-    at::mm_out(c, gathered, b);
+    prod->into(c, gathered);
     return {c, return_gathered ? gathered : a.new_empty({0, k})};
   }
   if (R > 1 && !ring) {
@@ -375,7 +429,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
             [&](int j, const char* from, size_t row, size_t nrows) {
               at::Tensor part = slot_tensor(from, int64_t(nrows), k, a.options());
               at::Tensor dst = c.narrow(0, j * m + int64_t(row), int64_t(nrows));
-              at::mm_out(dst, part, b);
+              prod->into(dst, part);
               if (return_gathered) gathered.narrow(0, j * m + int64_t(row), int64_t(nrows)).copy_(part);
             });
       }, return_gathered ? std::vector<at::Tensor>{a, c, gathered} : std::vector<at::Tensor>{a, c});
@@ -385,12 +439,12 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     if (C == 1) {
       p.on_caller([&] { return p.allgather(a, gathered); }).wait();
       if (!own_done) {
-        at::mm_out(c, gathered, b);
+        prod->into(c, gathered);
       } else {
         for (int j = 0; j < R; ++j) {  // the other ranks' rows (this rank's are done)
           if (j == r) continue;
           at::Tensor dst = c.narrow(0, j * m, m);
-          at::mm_out(dst, gathered.narrow(0, j * m, m), b);
+          prod->into(dst, gathered.narrow(0, j * m, m));
         }
       }
       return {c, return_gathered ? gathered : a.new_empty({0, k})};
@@ -416,7 +470,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
         at::Tensor src = parts[i].select(0, j);
         if (!(own_done && j == r)) {
           at::Tensor dst = c.narrow(0, j * m + lo, hi - lo);
-          at::mm_out(dst, src, b);
+          prod->into(dst, src);
         }
         if (return_gathered) gathered.narrow(0, j * m + lo, hi - lo).copy_(src);
       }
@@ -453,7 +507,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
       at::Tensor src = gathered.narrow(0, row, rows);
       if (s + 1 < R) sends.push_back(p.send(src, next, uint32_t(s * C + i)));
       at::Tensor dst = c.narrow(0, row, rows);
-      at::mm_out(dst, src, b);
+      prod->into(dst, src);
     }
   }
   for (auto& s : sends) s.wait();
@@ -482,22 +536,25 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const CarryLimit cl = carry_limit(p);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
-  at::Tensor a, b, acc;
+  at::Tensor a, acc;
+  std::optional<Products> prod;
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
+    prod.emplace(a_in, b_in);
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
-  // A small product is computed first and travels inside the agreement (the whole of it to every peer).
+  // A small product is computed first and travels inside the agreement (the whole of it to every peer), in
+  // the type it was made in (a half-type product made on the CPU loses nothing by travelling unwidened).
   Carried carried;
+  at::Tensor own;  // this rank's product when offered
   const bool offer = err.empty() && chunks == 0 && m > 0 && n > 0 &&
-                     cl.fits(R, m * n * int64_t(c10::elementSize(acc_t)));
+                     cl.fits(R, m * n * int64_t(c10::elementSize(Products::type(a_in))));
   if (offer) {
     prepare();
-    at::mm_out(acc, half ? a.to(acc_t) : a, b);
-    carried.bytes = size_t(acc.nbytes());
-    carried.data = [&acc](int) { return acc.data_ptr(); };
+    own = prod->made(a, acc);
+    carried.bytes = size_t(own.nbytes());
+    carried.data = [&own](int) { return own.data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
                    std::move(carried));
@@ -511,26 +568,25 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const bool early = offer || (err.empty() && !ring && !slots_fit && ga.proposal() == 1 && m > 0 && n > 0);
   if (early && !offer) {
     prepare();
-    at::mm_out(acc, half ? a.to(acc_t) : a, b);
+    prod->into(acc, a);
     p.publish(acc);
   }
   const int64_t C = ga.chunks();
   if (ga.carried()) {  // every rank's product came with the agreement: summed in rank order, alike everywhere
     at::Tensor sum = at::empty({m, n}, acc.options());
-    auto part = [&](int q) {
-      if (q == g.rank) return acc;
-      return at::from_blob(const_cast<void*>(ga.carried_from(q, acc.nbytes())), {m, n}, acc.options());
-    };
-    at::add_out(sum, part(0), part(1));
-    for (int q = 2; q < R; ++q) sum.add_(part(q));
+    sum_in_rank_order(sum, R, [&](int q) {
+      if (q == g.rank) return own;
+      return ga.carried_product(q, m, n, own.options());
+    });
     return half ? sum.to(a_in.scalar_type()) : sum;
   }
+  if (offer && !own.is_same(acc)) acc.copy_(own);  // offered but not carried: the product, widened
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, row_bytes, 1, C) : 0;
   const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n);
   if (!early) prepare();
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
   if (g.size == 1) {
-    if (!early) at::mm_out(acc, half ? a.to(acc_t) : a, b);
+    if (!early) prod->into(acc, a);
     return half ? acc.to(a_in.scalar_type()) : acc;
   }
   if (ring) {
@@ -541,7 +597,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
       if (rg.second > rg.first) blocks.push_back(rg);
     }
     at::Tensor mine = acc.narrow(0, int64_t(g.rank) * mb, mb);
-    ring_reducescatter(p, a, b, mine, mb, blocks, acc_t, &acc);
+    ring_reducescatter(p, a, *prod, mine, mb, blocks, &acc);
     return half ? acc.to(a_in.scalar_type()) : acc;
   }
   if (in_place) {
@@ -550,10 +606,9 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
       coll::shm_allreduce_rows(comm, acc.data_ptr(), size_t(m), size_t(n), DType::f32, rows,
                                [&](char* dst, size_t row, size_t nrows) {
                                  at::Tensor out = slot_tensor(dst, int64_t(nrows), n, acc.options());
-                                 at::Tensor src = a.narrow(0, int64_t(row), int64_t(nrows));
-                                 at::mm_out(out, half ? src.to(acc_t) : src, b);
+                                 prod->into(out, a.narrow(0, int64_t(row), int64_t(nrows)));
                                });
-    }, {a, b, acc});
+    }, {a, prod->b, acc});
     return half ? acc.to(a_in.scalar_type()) : acc;
   }
   std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -568,8 +623,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
         if (early) return;
         auto [lo, hi] = ranges[size_t(i)];
         at::Tensor dst = acc.narrow(0, lo, hi - lo);
-        at::Tensor src = a.narrow(0, lo, hi - lo);
-        at::mm_out(dst, half ? src.to(acc_t) : src, b);
+        prod->into(dst, a.narrow(0, lo, hi - lo));
         p.publish(dst);
       },
       [&](int64_t i) {
@@ -612,22 +666,23 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const CarryLimit cl = carry_limit(p);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
-  at::Tensor a, b, acc_out, full;
+  at::Tensor a, acc_out, full;
+  std::optional<Products> prod;
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    b = half ? b_in.to(acc_t) : b_in;  // only multiplied: strides as given (see allgather_gemm)
+    prod.emplace(a_in, b_in);
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
-  // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank q).
+  // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank
+  // q), in the type it was made in (see gemm_allreduce).
   Carried carried;
-  const int64_t block_bytes = mb * n * int64_t(c10::elementSize(acc_t));
+  const int64_t block_bytes = mb * n * int64_t(c10::elementSize(Products::type(a_in)));
   const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 && cl.fits(R, block_bytes);
   if (offer) {
     prepare();
-    full = at::empty({R, mb, n}, a.options().dtype(acc_t));
-    at::Tensor flat = full.view({m, n});
-    at::mm_out(flat, half ? a.to(acc_t) : a, b);
+    at::Tensor flat = Products::type(a_in) != acc_t ? at::Tensor() : at::empty({m, n}, a.options().dtype(acc_t));
+    full = prod->made(a, flat).view({R, mb, n});
     carried.bytes = size_t(block_bytes);
     carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };
   }
@@ -644,20 +699,18 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   if (early && !offer) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(acc_t));
-    at::Tensor flat = full.view({m, n});
-    at::mm_out(flat, half ? a.to(acc_t) : a, b);
+    prod->into(full.view({m, n}), a);
     p.publish(full);
   }
   const int64_t C = ga.chunks();
   if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
-    auto part = [&](int q) {
+    sum_in_rank_order(acc_out, R, [&](int q) {
       if (q == r) return full.select(0, r);
-      return at::from_blob(const_cast<void*>(ga.carried_from(q, size_t(block_bytes))), {mb, n}, acc_out.options());
-    };
-    at::add_out(acc_out, part(0), part(1));
-    for (int q = 2; q < R; ++q) acc_out.add_(part(q));
+      return ga.carried_product(q, mb, n, full.options());
+    });
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
+  if (offer && full.scalar_type() != acc_t) full = full.to(acc_t);  // offered but not carried: widened
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
   // (a chunk of every row is one GEMM into the slot, else one per block)
   const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;
@@ -665,7 +718,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   if (!early) prepare();
   if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   if (R == 1) {
-    at::mm_out(acc_out, half ? a.to(acc_t) : a, b);
+    prod->into(acc_out, a);
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
   std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -674,7 +727,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     if (rg.second > rg.first) ranges.push_back(rg);
   }
   if (ring) {
-    ring_reducescatter(p, a, b, acc_out, mb, ranges, acc_t);
+    ring_reducescatter(p, a, *prod, acc_out, mb, ranges);
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
   if (in_place) {
@@ -683,18 +736,16 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
       coll::shm_reduce_scatter_rows(comm, acc_out.data_ptr(), size_t(mb), size_t(n), DType::f32, rows,
                                     [&](char* dst, size_t row, size_t nrows) {
                                       if (int64_t(nrows) == mb) {  // the chunk is the whole term: one GEMM
-                                        at::Tensor out = slot_tensor(dst, m, n, acc_out.options());
-                                        at::mm_out(out, half ? a.to(acc_t) : a, b);
+                                        prod->into(slot_tensor(dst, m, n, acc_out.options()), a);
                                         return;
                                       }
                                       for (int blk = 0; blk < R; ++blk) {  // [R][nrows][n]: one GEMM per block
                                         at::Tensor out = slot_tensor(dst + size_t(blk) * nrows * row_bytes,
                                                                      int64_t(nrows), n, acc_out.options());
-                                        at::Tensor src = a.narrow(0, blk * mb + int64_t(row), int64_t(nrows));
-                                        at::mm_out(out, half ? src.to(acc_t) : src, b);
+                                        prod->into(out, a.narrow(0, blk * mb + int64_t(row), int64_t(nrows)));
                                       }
                                     });
-    }, {a, b, acc_out});
+    }, {a, prod->b, acc_out});
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
   // Other backends, and mk on one host: one staging buffer per chunk, [R, rows_i, n], block
@@ -712,9 +763,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
         }
         stage[size_t(i)] = at::empty({R, rows, n}, a.options().dtype(acc_t));
         for (int j = 0; j < R; ++j) {
-          at::Tensor src = a.narrow(0, j * mb + lo, rows);
-          at::Tensor dst = stage[size_t(i)].select(0, j);
-          at::mm_out(dst, half ? src.to(acc_t) : src, b);
+          prod->into(stage[size_t(i)].select(0, j), a.narrow(0, j * mb + lo, rows));
         }
         p.publish(stage[size_t(i)]);
       },

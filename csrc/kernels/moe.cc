@@ -240,9 +240,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
 
   // Multiply rows of source s for expert e (starting at `offset` among them) into their place in y.
   at::Tensor y = at::empty({n_recv, f}, x.options());
-  // ATen's CPU GEMM accumulates bf16/fp16 products in fp32 (opmath), so it runs on the input dtype directly;
-  // elsewhere (cuBLAS may reduce fp16 in fp16) the operands are widened to fp32 first.
-  const bool native = x.scalar_type() == at::kFloat || x.device().is_cpu();
+  // Half types are multiplied as they are where ATen's GEMM is fast on them (accumulating in fp32), else on
+  // operands widened to fp32 (see native_half_gemm: fp16 on a CPU without oneDNN support is a plain loop).
+  const bool native = x.scalar_type() == at::kFloat || native_half_gemm(x.scalar_type(), x.device());
   const at::Tensor wk = native ? w.contiguous() : w.to(at::kFloat);
   auto multiply = [&](int s, int64_t e, int64_t offset, const at::Tensor& rows) {
     if (rows.size(0) == 0) return;

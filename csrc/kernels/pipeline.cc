@@ -1,6 +1,7 @@
 #include "kernels/pipeline.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/core/Event.h>
@@ -763,6 +764,18 @@ at::Tensor scratch(int64_t rows, int64_t cols, const at::TensorOptions& opts) {
 
 at::ScalarType accumulate_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
+}
+
+bool native_half_gemm(at::ScalarType t, const c10::Device& device) {
+  if (!device.is_cpu() || (t != at::kBFloat16 && t != at::kHalf)) return false;
+  // ATen registers oneDNN's device checks as ops (absent from a build without oneDNN: then false).
+  auto supported = [](const char* name) {
+    auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+    return op.has_value() && op->typed<bool()>().call();
+  };
+  static const bool bf16 = supported("mkldnn::_is_mkldnn_bf16_supported");
+  static const bool fp16 = supported("mkldnn::_is_mkldnn_fp16_supported");
+  return t == at::kBFloat16 ? bf16 : fp16;
 }
 
 }  // namespace mk::kernels

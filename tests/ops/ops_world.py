@@ -56,6 +56,16 @@ CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default (and kCarryMax, 
 _ELEMENT_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2}
 
 
+def product_bytes(dtype: str) -> int:
+    """Bytes per element of a partial product as gemm_allreduce / gemm_reducescatter make and carry it
+    (trace dtype name): the half type itself when oneDNN multiplies it on this processor, else float32."""
+    import torch
+
+    fast = {"BFloat16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+            "Half": torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+    return _ELEMENT_BYTES[dtype] if dtype == "Float" or fast[dtype] else 4
+
+
 def without_rule_changes(stderr: str) -> str:
     """``stderr`` without the calls a rank script made while it had changed the path rules on some rank
     (rank_tensors.py's path_rules_changed marks them)."""
@@ -68,8 +78,8 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, the path it took,
     the path it should have), a path being "carried", "ring" or "collective". With a peer over TCP:
     carried when the chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its
-    shard, m k elements; gemm_allreduce its whole fp32 product, m n; gemm_reducescatter one fp32 block,
-    m / R n) are at most 64 KiB and, times R - 1, at most ``carry_bytes`` (SUPERKERNEL_OPS_CARRY_BYTES);
+    shard, m k elements; gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n;
+    a product's element as ``product_bytes``) are at most 64 KiB and, times R - 1, at most ``carry_bytes`` (SUPERKERNEL_OPS_CARRY_BYTES);
     else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows
     (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default), gemm_allreduce's when moreover R divides m (m > 0),
     allgather_gemm's shard has ``min_rows`` rows. With every peer on this host: the collective paths."""
@@ -86,10 +96,10 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
             per_peer = m * k * _ELEMENT_BYTES[dtype]
         elif op == "gemm_reducescatter":
             want_ring = m // world >= min_rows
-            per_peer = m // world * n * 4
+            per_peer = m // world * n * product_bytes(dtype)
         else:
             want_ring = m > 0 and m % world == 0 and m // world >= min_rows
-            per_peer = m * n * 4
+            per_peer = m * n * product_bytes(dtype)
         want_carried = (world > 1 and chunks == "automatic" and 0 < per_peer <= CARRY_BYTES
                         and (world - 1) * per_peer <= carry_bytes)
         took = "carried" if carried else "ring" if ring == "1" else "collective"
