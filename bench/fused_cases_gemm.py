@@ -37,6 +37,12 @@ def allgather_gemm_case(ctx: Context, m: int, k: int, n: int) -> Case:
                 extra={"flops": 2.0 * R * m * k * n, "comm_bytes": (R - 1) * m * k * a.element_size()})
 
 
+# bf16/fp16: the fused op sums partial products in fp32 (twice the bytes of a half-type collective, except
+# mk's across hosts, which widens too); a product small enough to be carried travels as made (see Products
+# in csrc/kernels/gemm_collectives.cc).
+_HALF_PARTIALS = "fused sums fp32 partials (carried products as made)"
+
+
 def gemm_allreduce_case(ctx: Context, m: int, k: int, n: int) -> Case:
     g, dt = ctx.group, ctx.dtype
     a, b = seeded((m, k), dt, ctx.rank), seeded((k, n), dt, 100 + ctx.rank)
@@ -47,7 +53,7 @@ def gemm_allreduce_case(ctx: Context, m: int, k: int, n: int) -> Case:
         dist.all_reduce(out, group=g)
         return out
 
-    note = "" if dt == torch.float32 else "fused reduces fp32 partials (2x the bytes of the unfused bf16/fp16 allreduce)"
+    note = "" if dt == torch.float32 else _HALF_PARTIALS
     return Case(op="gemm_allreduce", shape=_fmt(m, k, n, dt),
                 fused=lambda: mk.gemm_allreduce(a, b, g, chunks=ctx.chunks), unfused=unfused,
                 compute=lambda: a @ b, comm=lambda: dist.all_reduce(c, group=g), note=note,
@@ -66,7 +72,7 @@ def gemm_reducescatter_case(ctx: Context, m: int, k: int, n: int) -> Case:
         dist.reduce_scatter_tensor(out, c, group=g)
         return out
 
-    note = "" if dt == torch.float32 else "fused reduces fp32 partials (2x the bytes of the unfused bf16/fp16 path)"
+    note = "" if dt == torch.float32 else _HALF_PARTIALS
     return Case(op="gemm_reducescatter", shape=_fmt(m, k, n, dt),
                 fused=lambda: mk.gemm_reducescatter(a, b, g, chunks=ctx.chunks), unfused=unfused,
                 compute=lambda: a @ b, comm=lambda: dist.reduce_scatter_tensor(out, full, group=g), note=note,
