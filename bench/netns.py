@@ -83,7 +83,8 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
             print(r.describe(), file=sys.stderr)
         print(f"######## {desc}: FAILED (see stderr)", flush=True)
         return None
-    prefix = {"collectives.py": "collectives", "fused_ops.py": "fused", "op_entry.py": "op-entry"}[script]
+    prefix = {"collectives.py": "collectives", "fused_ops.py": "fused", "op_entry.py": "op-entry",
+              "carry_room.py": "carry-room"}[script]
     return out_dir / f"{prefix}-{tag}.json"
 
 
@@ -112,9 +113,10 @@ def main() -> int:
     parser.add_argument("--nproc-per-host", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate before the job is killed")
     parser.add_argument("--out-dir", default=str(HERE / "results"))
-    parser.add_argument("--script", default="collectives.py", choices=["collectives.py", "fused_ops.py", "op_entry.py"],
+    parser.add_argument("--script", default="collectives.py", choices=["collectives.py", "fused_ops.py", "op_entry.py", "carry_room.py"],
                         help="benchmark to run on the two hosts (fused_ops.py: fused ops vs unfused; op_entry.py: "
-                             "the fused ops' fixed cost per call, with --carry with and without carrying; no summary)")
+                             "the fused ops' fixed cost per call, with --carry with and without carrying; "
+                             "carry_room.py: what a large carried call costs the small ones after it; no summary)")
     parser.add_argument("bench_args", nargs="*", help="options for bench/collectives.py (after --); default: "
                         + " ".join(DEFAULT_ARGS))
     args = parser.parse_args()

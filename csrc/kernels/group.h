@@ -69,7 +69,11 @@ struct Carried {
   std::function<size_t(int peer)> size;
   size_t room = 0;
 };
+// The most carried to one peer: kCarryMax on mk (every receive is posted that large), kCarryMaxAlltoall on
+// other backends (the GEMM ops' limit there, see CarryLimit in pipeline.h).
 constexpr size_t kCarryMax = size_t(64) << 10;
+constexpr size_t kCarryMaxAlltoall = size_t(256) << 10;
+inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxAlltoall; }
 
 // The cross-rank agreement in flight. Constructing it sends this rank's descriptor (the op's name, its call
 // number `seq` on this group, the fields, and whether its own argument check passed) and posts the receives

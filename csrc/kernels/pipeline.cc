@@ -739,11 +739,13 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
   return 0;
 }
 
-CarryLimit carry_limit(const Pipeline& p) {
+CarryLimit carry_limit(const Pipeline& p, size_t alltoall_most) {
   const Group& g = p.group();
   CarryLimit cl;
   cl.may_carry = g.size > 1 && (g.is_mk() ? p.over_tcp() : g.device.is_cpu());
-  if (cl.may_carry) cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(kCarryMax), 0, cl.problem);
+  cl.most_per_peer = g.is_mk() ? kCarryMax : std::min(alltoall_most, kCarryMaxAlltoall);
+  if (cl.may_carry)
+    cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(cl.most_per_peer), 0, cl.problem);
   return cl;
 }
 

@@ -265,24 +265,31 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other backends with
 // CPU tensors (where the agreement is an alltoall: the data rides from the second call of the op with that
 // payload size on, see Carried::room; on one host the board soon takes the agreement instead). Taken when
-// this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (64 KiB; 0 turns it off) to all peers together, and at
-// most kCarryMax to each, with an automatic chunk count; the op then uses it only if every rank carried its
+// this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (by default the per-peer limit: 64 KiB, or
+// `alltoall_most` below; 0 turns it off) to all peers together, and at
+// most that per-peer limit to each, with an automatic chunk count; the op then uses it only if every rank carried its
 // part (decided from the exchanged descriptors, so alike everywhere; otherwise its usual path, and what came
 // along is dropped). Direct sends to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank
 // against a ring's 2 (R - 1) / R m n, which the limit on the total keeps small.
+// `alltoall_most`: the most to one peer, and the default total, on other backends (the GEMM ops pass
+// kCarryMaxAlltoall, 256 KiB: on Gloo between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went
+// from 0.33x of unfused to 1.18x and allgather_gemm from 0.83x to 1.00x; the agreement's alltoall then
+// carries what Gloo's own collective would have sent, one collective instead of two). The price: the calls
+// after a large carried one send slots as large (Carried::room) for 8 agreements (bench/carry_room.py).
 struct CarryLimit {
   bool may_carry = false;  // R > 1, and mk with a peer across hosts or another backend on CPU
   int64_t total = 0;       // the limit (0: off, not read, or invalid)
+  size_t most_per_peer = kCarryMax;  // the most to one peer
   std::string problem;     // the argument error when the variable is invalid
   // Whether a call that sends `per_peer` bytes to each of the other R - 1 ranks carries them.
   bool fits(int R, int64_t per_peer) const { return per_peer > 0 && fits_routed(per_peer, int64_t(R - 1) * per_peer); }
   // Whether a routed call (counts per peer) that sends at most `largest` bytes to one peer and `sum` in all
   // carries them (nothing to send at all carries too: the agreement alone then completes the exchange).
   bool fits_routed(int64_t largest, int64_t sum) const {
-    return may_carry && total > 0 && largest >= 0 && size_t(largest) <= kCarryMax && sum <= total;
+    return may_carry && total > 0 && largest >= 0 && size_t(largest) <= most_per_peer && sum <= total;
   }
 };
-CarryLimit carry_limit(const Pipeline& p);
+CarryLimit carry_limit(const Pipeline& p, size_t alltoall_most = kCarryMax);
 
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
 // parts get one more; parts are empty when chunks > n).

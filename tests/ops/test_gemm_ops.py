@@ -13,6 +13,7 @@ from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHA
                                  gemm_paths, product_bytes)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
+GLOO_GEMM_CARRY_BYTES = 256 << 10  # kCarryMaxAlltoall: the GEMM ops' carry limit on other backends
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
 # (the rings across hosts also on the suite's small shapes, whose blocks have fewer rows than the default
 # SUPERKERNEL_OPS_RING_MIN_ROWS, and which would otherwise be carried in the agreement:
@@ -204,11 +205,13 @@ def test_small_calls_carried(world: int) -> None:
 def test_gloo_small_calls_carried(world: int) -> None:
     """On Gloo the agreement is an alltoall of equal-size slots: small payloads ride in a room every rank
     sizes alike from the group's earlier agreements (also when the ranks are at different ops, which the error
-    suite checks). Carried calls happen for every op, only with an automatic chunk count and at most 64 KiB
-    sent by a rank; results match the float64 reference, are the same bytes on every rank, and the errors are
-    raised on every rank with the group usable after them."""
+    suite checks). Carried calls happen for every op, only with an automatic chunk count and at most 256 KiB
+    sent by a rank (the GEMM ops' limit on other backends), and some above mk's 64 KiB; results match the
+    float64 reference, are the same bytes on every rank, and the errors are raised on every rank with the
+    group usable after them."""
     results = _gloo_carry.results(world, "gloo", ["--errors"])
     carried: dict[str, int] = {}
+    above_mk = 0
     for res in results:
         for line in re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.* carried$",
                                res.stderr, flags=re.MULTILINE):
@@ -219,9 +222,11 @@ def test_gloo_small_calls_carried(world: int) -> None:
             size = {"allgather_gemm": int(m) * int(k) * (4 if dtype == "Float" else 2),
                     "gemm_allreduce": int(m) * int(n) * product_bytes(dtype),
                     "gemm_reducescatter": int(m) // world * int(n) * product_bytes(dtype)}[op]
-            assert 0 < (world - 1) * size <= CARRY_BYTES, line
+            assert 0 < (world - 1) * size <= GLOO_GEMM_CARRY_BYTES, line
             carried[op] = carried.get(op, 0) + 1
+            above_mk += (world - 1) * size > CARRY_BYTES
     assert set(carried) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, carried
+    assert above_mk, "no call above mk's 64 KiB limit was carried (the suite's m=96 k=8 n=256 gemm_allreduce)"
     reps = [r.report() for r in results]
     for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "grad", "empty", "errors"):
         problems = failures_of(reps, family)
