@@ -77,15 +77,19 @@ int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d)
 // (native_half_gemm: accumulated in fp32 inside, rounded once, as the unfused matmul does), else on operands
 // widened to fp32 (b once per call). A product goes into a destination of any float type: gemm_allreduce and
 // gemm_reducescatter sum partial products across ranks in fp32, allgather_gemm writes the input type.
+// Off the CPU, `exact` (the partial sums) widens half types (cuBLAS may reduce fp16 in fp16); allgather_gemm,
+// whose products are its output, multiplies them as they are, as the unfused matmul does.
 struct Products {
   at::Tensor b;       // as multiplied: as given (strides too, see allgather_gemm), or widened to fp32
   bool widen = false;
-  // The dtype of a product as made: the input type, or fp32 for a half type without a fast GEMM.
-  static at::ScalarType type(const at::Tensor& a) {
+  // The dtype of a product as made: the input type, or fp32 for a half type widened.
+  static at::ScalarType type(const at::Tensor& a, bool exact) {
     const at::ScalarType t = a.scalar_type();
-    return t == at::kFloat || native_half_gemm(t, a.device()) ? t : at::kFloat;
+    if (t == at::kFloat) return t;
+    if (!a.device().is_cpu()) return exact ? at::kFloat : t;
+    return native_half_gemm(t, a.device()) ? t : at::kFloat;
   }
-  Products(const at::Tensor& a, const at::Tensor& b_in) : widen(type(a) != a.scalar_type()) {
+  Products(const at::Tensor& a, const at::Tensor& b_in, bool exact) : widen(type(a, exact) != a.scalar_type()) {
     b = widen ? b_in.to(at::kFloat) : b_in;
   }
   // dst = rows @ b, whatever dst's float type.
@@ -346,7 +350,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    prod.emplace(a_in, b_in);
+    prod.emplace(a_in, b_in, /*exact=*/false);
     c = at::empty({R * m, n}, a.options());
   };
   // A small shard travels inside the agreement (its bytes to every peer).
@@ -542,7 +546,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    prod.emplace(a_in, b_in);
+    prod.emplace(a_in, b_in, /*exact=*/true);
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
   // A small product is computed first and travels inside the agreement (the whole of it to every peer), in
@@ -550,7 +554,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   Carried carried;
   at::Tensor own;  // this rank's product when offered
   const bool offer = err.empty() && chunks == 0 && m > 0 && n > 0 &&
-                     cl.fits(R, m * n * int64_t(c10::elementSize(Products::type(a_in))));
+                     cl.fits(R, m * n * int64_t(c10::elementSize(Products::type(a_in, true))));
   if (offer) {
     prepare();
     own = prod->made(a, acc);
@@ -672,17 +676,17 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    prod.emplace(a_in, b_in);
+    prod.emplace(a_in, b_in, /*exact=*/true);
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
   // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank
   // q), in the type it was made in (see gemm_allreduce).
   Carried carried;
-  const int64_t block_bytes = mb * n * int64_t(c10::elementSize(Products::type(a_in)));
+  const int64_t block_bytes = mb * n * int64_t(c10::elementSize(Products::type(a_in, true)));
   const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 && cl.fits(R, block_bytes);
   if (offer) {
     prepare();
-    at::Tensor flat = Products::type(a_in) != acc_t ? at::Tensor() : at::empty({m, n}, a.options().dtype(acc_t));
+    at::Tensor flat = Products::type(a_in, true) != acc_t ? at::Tensor() : at::empty({m, n}, a.options().dtype(acc_t));
     full = prod->made(a, flat).view({R, mb, n});
     carried.bytes = size_t(block_bytes);
     carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };
