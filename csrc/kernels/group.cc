@@ -163,7 +163,8 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   const int R = g.size;
   // (carried data never rides on the board; on other backends only in the room every rank reserved alike)
   const bool board_active = s.board && s.board->active();
-  const bool wants = R > 1 && carried.data && (carried.bytes > 0 || carried.size) && carried.bytes <= carry_max(g.is_mk());
+  const bool wants =
+      R > 1 && carried.data && (carried.bytes > 0 || carried.size) && carried.bytes <= carry_max(g.is_mk());
   const bool other_cpu = !g.is_mk() && g.device.is_cpu();
   if (other_cpu) s.room = std::min(carried.room, kCarryMaxAlltoall);
   const bool carry = wants && !board_active && (g.is_mk() || (other_cpu && carried.bytes <= s.room));
@@ -395,7 +396,8 @@ void Agreement::State::receive_other() {
   size_t most = 0;
   for (int r = 0; r < g.size; ++r) {
     const int64_t* d = &theirs[size_t(r) * kWords];
-    if (d[0] == kMagic && d[kWant] > 0 && size_t(d[kWant]) <= kCarryMaxAlltoall) most = std::max(most, size_t(d[kWant]));
+    if (d[0] == kMagic && d[kWant] > 0 && size_t(d[kWant]) <= kCarryMaxAlltoall)
+      most = std::max(most, size_t(d[kWant]));
   }
   if (on_room) on_room(most);
 }

@@ -3,8 +3,9 @@
 ``--mode cancel`` an interrupt (superkernel.backend.cancel_waits from another thread, as the notebook worker
 does) must end it at once. With ``--mode oom`` both ranks call it (``--dtype``: a half type this processor
 multiplies on operands widened to float32, in place on one host), and rank 1's address space is capped so
-that its own work fails in the middle of the op (converting a chunk of a to float32 for the GEMM): rank 1 must report the allocation failure and rank 0, inside the collective by then,
-must get an error at once instead of waiting out the group timeout. Prints one REPORT line per rank: the
+that its own work fails in the middle of the op (converting a chunk of a to float32 for the GEMM): rank 1
+must report the allocation failure and rank 0, inside the collective by then, must get an error at once
+instead of waiting out the group timeout. Prints one REPORT line per rank: the
 error text and how long the call took."""
 from __future__ import annotations
 

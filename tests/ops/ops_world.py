@@ -79,8 +79,8 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     the path it should have), a path being "carried", "ring" or "collective". With a peer over TCP:
     carried when the chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its
     shard, m k elements; gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n;
-    a product's element as ``product_bytes``) are at most 64 KiB and, times R - 1, at most ``carry_bytes`` (SUPERKERNEL_OPS_CARRY_BYTES);
-    else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows
+    a product's element as ``product_bytes``) are at most 64 KiB and, times R - 1, at most ``carry_bytes``
+    (SUPERKERNEL_OPS_CARRY_BYTES); else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows
     (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default), gemm_allreduce's when moreover R divides m (m > 0),
     allgather_gemm's shard has ``min_rows`` rows. With every peer on this host: the collective paths."""
     calls = []
