@@ -19,7 +19,8 @@
 // sent by a rank) carry their counts and routed rows inside the agreement's messages (to each rank its own
 // rows, after the counts), so the whole dispatch is one exchange; combine carries the rows going back the same
 // way. On 2 namespace hosts at 1 Gbit/s this took dispatch from 1.08x/0.96x of unfused to 1.88x/1.52x and
-// combine from 0.72x to 1.03x/0.97x over mk; over Gloo 1.58x/1.54x and 0.91x/0.88x (bench/README.md).
+// combine from 0.72x to 1.03x/0.97x over mk; over Gloo 1.58x/1.54x and 0.91x/0.88x, combine 1.14-1.20x since
+// its weighted sum reads the rows in place (bench/README.md).
 //
 // Output order of y [n_recv, f]: by local expert, then source rank, then token index, then choice.
 //
@@ -32,10 +33,12 @@
 // Combine. The reverse exchange (mk: one point-to-point message per (peer, expert segment) straight from y;
 // other backends: one alltoall_base): each rank returns to every source its rows (segments (e, s) for every
 // local expert e, which is the order the source sent them in), and the home rank receives them in place, in
-// its sending order. Then one gather puts the rows in (token, choice) order and one batched product
-// [t, 1, k] x [t, k, f] (fp32) weights them by topk_weights and sums over k in a fixed order, whatever order
-// the blocks arrived in. (Weighting each block as it arrives cost more than it overlapped: a gather, a
+// its sending order. Then the rows are weighted by topk_weights and summed over k in a fixed order (fp32),
+// whatever order the blocks arrived in: on CPU in one pass that reads each row where it is
+// (weighted_sum_on_host), elsewhere by one gather into (token, choice) order and one batched product
+// [t, 1, k] x [t, k, f]. (Weighting each block as it arrives cost more than it overlapped: a gather, a
 // temporary product and a scatter per block, 4-5x the time of the batched form at t=2048, f=1024.)
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/argsort.h>
@@ -416,6 +419,80 @@ std::string parse_handle(const at::Tensor& handle, int R, int me, Routing& out) 
   return "";
 }
 
+// Rows [first, first + n) of a rank's sending order, contiguous at `base`.
+struct RowRegion {
+  const char* base;
+  int64_t first, n;
+};
+
+// The weighted sum over the k choices on CPU, read where the rows are: out[i] = sum over c in 0..K-1, in that
+// order, of topk_weights[i, c] · row of (token i, choice c), accumulated in fp32 and rounded once. row_at[j] is
+// row j of this rank's sending order, whose (token, choice) is perm[j]. One pass over the rows, no gathered
+// copy: the ATen form (index_select into token order, then a batched [t, 1, k] x [t, k, f] product) made the
+// same sum with 8 more operator calls and two more passes over the data (bench/README.md: moe_combine).
+template <typename T>
+void weigh_rows(const std::vector<const char*>& row_at, const std::vector<int64_t>& row_of, const float* w,
+                int64_t t, int64_t K, int64_t f, T* out) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, K * f));
+  at::parallel_for(0, t, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(static_cast<size_t>(f));
+    for (int64_t i = lo; i < hi; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < K; ++c) {
+        const T* row = reinterpret_cast<const T*>(row_at[size_t(row_of[size_t(i * K + c)])]);
+        const float wc = w[i * K + c];
+        for (int64_t x = 0; x < f; ++x) acc[size_t(x)] += wc * static_cast<float>(row[x]);
+      }
+      T* o = out + i * f;
+      for (int64_t x = 0; x < f; ++x) o[x] = static_cast<T>(acc[size_t(x)]);
+    }
+  });
+}
+
+// `regions` cover the t·K rows of the sending order (a later region wins where two overlap).
+at::Tensor weighted_sum_on_host(const std::vector<RowRegion>& regions, const at::Tensor& perm,
+                                const at::Tensor& topk_weights, int64_t t, int64_t K, int64_t f, at::ScalarType dtype,
+                                const char* op, int me) {
+  // where (token, choice) p is in the sending order; the handle's order must be a permutation of 0..t·K-1
+  const int64_t n = t * K;
+  std::vector<int64_t> row_of(size_t(n), -1);
+  const int64_t* order = perm.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pair = order[j];
+    TORCH_CHECK(pair >= 0 && pair < n && row_of[size_t(pair)] < 0, "mk ", op, ": rank ", me,
+                ": the handle's send order is not a permutation of the ", n, " (token, choice) pairs (entry ", j,
+                " is ", pair, "); was it modified?");
+    row_of[size_t(pair)] = j;
+  }
+  // fp16 is widened region by region first, and the sum rounded back at the end, by ATen's vectorised
+  // conversions: c10::Half's scalar ones made the pass 1.4-2.2x slower than the ATen form (bfloat16's, a
+  // shift, cost nothing measurable).
+  const bool widen = dtype == at::kHalf;
+  const int64_t row_bytes = f * int64_t(widen ? sizeof(float) : c10::elementSize(dtype));
+  at::Tensor widened = widen ? at::empty({n, f}, at::TensorOptions().dtype(at::kFloat)) : at::Tensor();
+  std::vector<const char*> row_at(size_t(n), nullptr);
+  for (const RowRegion& r : regions) {
+    if (r.n == 0) continue;
+    const char* base = r.base;
+    if (widen) {
+      at::Tensor dst = widened.narrow(0, r.first, r.n);
+      dst.copy_(at::from_blob(const_cast<char*>(r.base), {r.n, f}, at::TensorOptions().dtype(at::kHalf)));
+      base = static_cast<const char*>(dst.data_ptr());
+    }
+    for (int64_t i = 0; i < r.n; ++i) row_at[size_t(r.first + i)] = base + i * row_bytes;
+  }
+  for (int64_t j = 0; j < n && f > 0; ++j)  // (rows of no columns have no address)
+    TORCH_CHECK(row_at[size_t(j)], "mk ", op, ": rank ", me, ": internal error: row ", j, " of ", n, " has no source");
+  const at::Tensor w = topk_weights.to(at::kCPU, at::kFloat).contiguous();
+  at::Tensor out = at::empty({t, f}, at::TensorOptions().dtype(widen ? at::kFloat : dtype));
+  if (dtype == at::kBFloat16) {
+    weigh_rows(row_at, row_of, w.data_ptr<float>(), t, K, f, out.data_ptr<c10::BFloat16>());
+  } else {
+    weigh_rows(row_at, row_of, w.data_ptr<float>(), t, K, f, out.data_ptr<float>());
+  }
+  return widen ? out.to(dtype) : out;
+}
+
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::Tensor& topk_weights,
                        c10::string_view group_name) {
   const char* op = "moe_combine";
@@ -467,8 +544,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     for (int64_t e2 = 0; e2 < e; ++e2) start += sent[d * Er + e2];
     return start;
   };
-  // y's rows in (destination, expert) order, destinations in `dests`: what a backend's alltoall_base sends, and
-  // what a small call carries.
+  // y's rows in (destination, expert) order, destinations in `dests`: what a backend's alltoall_base sends.
   auto gather_rows = [&](const std::vector<int>& dests) {
     std::vector<int64_t> order;
     for (int s : dests)
@@ -477,7 +553,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     return yc.index_select(0, longs(order, y.device()));
   };
 
-  // This rank's own rows stay: from y into their place in `home`.
+  // This rank's own rows stay: from y into their place in `home` (off the CPU).
   auto keep_own_rows = [&](const at::Tensor& home) {
     for (int64_t e = 0; e < Er; ++e)
       if (const int64_t n = rc[me * Er + e])
@@ -502,7 +578,17 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
       out_at[size_t(s)] = at_byte;
       at_byte += n_back[size_t(s)] * row_bytes;
     }
-    if (leaving) outbox = gather_rows(others);  // (contiguous: destination s's rows at byte out_at[s])
+    if (leaving) {  // destination s's rows at byte out_at[s]: its segments (e, s) for every local expert e
+      outbox = at::empty({leaving}, y.options().dtype(at::kByte));
+      auto* dst = static_cast<char*>(outbox.data_ptr());
+      const auto* from = static_cast<const char*>(yc.data_ptr());
+      for (int s : others)
+        for (int64_t e = 0; e < Er; ++e) {
+          const int64_t bytes = rc[s * Er + e] * row_bytes;
+          if (bytes) std::memcpy(dst, from + y_start(s, e) * row_bytes, size_t(bytes));
+          dst += bytes;
+        }
+    }
     auto* base = leaving ? static_cast<char*>(outbox.data_ptr()) : nullptr;
     carried.bytes = size_t(largest);
     carried.data = [base, &out_at](int q) { return base ? base + out_at[size_t(q)] : nullptr; };
@@ -515,25 +601,34 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
   agreement.result();
   p.trace("t=", t, " k=", K, " E_r=", Er, " f=", f, " ", y.scalar_type(), agreement.carried() ? " carried" : "");
 
-  // Every (token, choice) comes back exactly once, into `home`: this rank's rows in sending order (sorted by
-  // global expert), so the rows from rank d are one contiguous region and can be received in place.
-  at::Tensor home = at::empty({t * K, f}, y.options());
-  if (agreement.carried()) {
-    // Every rank's rows for this one came along: each source's region of `home` from its message.
+  // Every (token, choice) comes back exactly once. On CPU the weighted sum reads each row where it is (`regions`
+  // of this rank's sending order): in the agreement's messages when they carried the rows, this rank's own rows
+  // in y, the rest in `home`. Otherwise every row lands in `home` first, in sending order (sorted by global
+  // expert), so the rows from rank d are one contiguous region and are received in place.
+  const bool on_host = y.device().is_cpu();
+  std::vector<RowRegion> regions;
+  at::Tensor home;
+  auto own_rows_in_y = [&] {
+    for (int64_t e = 0; e < Er; ++e)
+      regions.push_back({static_cast<const char*>(yc.data_ptr()) + y_start(me, e) * row_bytes, home_start(me, e),
+                         rc[me * Er + e]});
+  };
+  if (agreement.carried()) {  // (only on CPU: see `offer`)
     for (int q : others) {
       if (!n_home[size_t(q)]) continue;
       const size_t want = size_t(n_home[size_t(q)] * row_bytes), got = agreement.carried_bytes(q);
       TORCH_CHECK(want <= got, "mk ", op, ": rank ", me, ": rank ", q, " carried ", got,
                   " bytes in the argument agreement, too few for the ", n_home[size_t(q)],
                   " rows it owes this rank (do the ranks hold handles of the same dispatch?)");
-      copy_bytes(home.narrow(0, off_home[size_t(q)], n_home[size_t(q)]).data_ptr(), agreement.carried_from(q), want);
+      regions.push_back({static_cast<const char*>(agreement.carried_from(q)), off_home[size_t(q)], n_home[size_t(q)]});
     }
-    keep_own_rows(home);
+    own_rows_in_y();
   } else if (!g.is_mk()) {
     // One alltoall_base (see alltoall_step) that every rank issues, whatever its counts: a rank cannot know
     // from its handle whether the others move rows. Its own rows travel in it too (a local copy inside the
     // backend), so the output lands in `home` whole: the outbox is y's rows in (destination, expert) order,
     // gathered in one index_select.
+    home = at::empty({t * K, f}, y.options());
     std::vector<int64_t> in_splits(size_t(R), 0), out_splits(size_t(R), 0);
     std::vector<int> everyone;
     for (int s = 0; s < R; ++s) {
@@ -546,8 +641,10 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     p.trace("alltoall_base path: ", outbox.size(0) - n_back[size_t(me)], " rows out, ", t * K - n_home[size_t(me)],
             " rows in");
     alltoall_step(p, outbox, home, out_splits, in_splits).wait();
+    if (on_host) regions.push_back({static_cast<const char*>(home.data_ptr()), 0, t * K});
   } else {
     // mk: one message per (peer, expert segment), straight from y into `home` (no staging copies).
+    home = at::empty({t * K, f}, y.options());
     std::vector<Pending> rx, tx;
     for (int i = 1; i < R; ++i) {
       const int d = (me + i) % R;  // the ranks our rows went to send them back
@@ -559,10 +656,18 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
       for (int64_t e = 0; e < Er; ++e)
         if (rc[s * Er + e]) tx.push_back(p.send(yc.narrow(0, y_start(s, e), rc[s * Er + e]), s, uint32_t(e)));
     }
-    keep_own_rows(home);
+    if (on_host) {
+      for (int q : others)
+        regions.push_back({static_cast<const char*>(home.data_ptr()) + off_home[size_t(q)] * row_bytes,
+                           off_home[size_t(q)], n_home[size_t(q)]});
+      own_rows_in_y();
+    } else {
+      keep_own_rows(home);
+    }
     for (auto& x : rx) x.wait();
     for (auto& x : tx) x.wait();
   }
+  if (on_host) return weighted_sum_on_host(regions, rt.perm, topk_weights, t, K, f, y.scalar_type(), op, me);
   // Back to token order (row token·K + choice is home's row inv[token·K + choice]), then the weighted sum
   // over the k choices as one batched product [t, 1, k] x [t, k, f], accumulated in fp32 in a fixed order.
   const at::Tensor perm = rt.perm.to(y.device());
