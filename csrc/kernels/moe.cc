@@ -396,6 +396,7 @@ struct Routing {
   at::Tensor recv_counts;  // [R, E_r]
   at::Tensor sent;         // [R·E_r]
   at::Tensor perm;         // [t·K]
+  std::vector<int64_t> row_of;  // its inverse: where (token·K + choice) is in the sending order
 };
 
 std::string parse_handle(const at::Tensor& handle, int R, int me, Routing& out) {
@@ -412,10 +413,34 @@ std::string parse_handle(const at::Tensor& handle, int R, int me, Routing& out) 
   out.t = p[4];
   out.K = p[5];
   out.n_recv = p[6];
-  if (handle.numel() != kHeader + 2 * out.R * out.Er + out.t * out.K) return "handle has the wrong length";
+  if (out.Er < 0 || out.t < 0 || out.K < 0 || out.n_recv < 0 ||
+      handle.numel() != kHeader + 2 * out.R * out.Er + out.t * out.K)
+    return "handle has the wrong length";
+  // The combine reads and writes rows at the offsets these counts give (raw copies on CPU): they must add up to
+  // the row counts, and the send order must be a permutation.
+  int64_t received = 0, sent = 0;
+  for (int64_t i = 0; i < out.R * out.Er; ++i) {
+    const int64_t r = p[kHeader + i], s = p[kHeader + out.R * out.Er + i];
+    if (r < 0 || s < 0) return c10::str("handle has a negative row count (entry ", i, ")");
+    received += r;
+    sent += s;
+  }
+  if (received != out.n_recv || sent != out.t * out.K)
+    return c10::str("handle's counts add up to ", received, " rows received and ", sent, " sent, not ", out.n_recv,
+                    " and t·k = ", out.t * out.K, "; was it modified?");
+  const int64_t n = out.t * out.K;
+  const int64_t* order = p + kHeader + 2 * out.R * out.Er;
+  out.row_of.assign(size_t(n), -1);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pair = order[j];
+    if (pair < 0 || pair >= n || out.row_of[size_t(pair)] >= 0)
+      return c10::str("handle's send order is not a permutation of the ", n, " (token, choice) pairs (entry ", j,
+                      " is ", pair, "); was it modified?");
+    out.row_of[size_t(pair)] = j;
+  }
   out.recv_counts = hd.narrow(0, kHeader, out.R * out.Er).view({out.R, out.Er});
   out.sent = hd.narrow(0, kHeader + out.R * out.Er, out.R * out.Er);
-  out.perm = hd.narrow(0, kHeader + 2 * out.R * out.Er, out.t * out.K);
+  out.perm = hd.narrow(0, kHeader + 2 * out.R * out.Er, n);
   return "";
 }
 
@@ -450,20 +475,10 @@ void weigh_rows(const std::vector<const char*>& row_at, const std::vector<int64_
 }
 
 // `regions` cover the t·K rows of the sending order (a later region wins where two overlap).
-at::Tensor weighted_sum_on_host(const std::vector<RowRegion>& regions, const at::Tensor& perm,
+at::Tensor weighted_sum_on_host(const std::vector<RowRegion>& regions, const std::vector<int64_t>& row_of,
                                 const at::Tensor& topk_weights, int64_t t, int64_t K, int64_t f, at::ScalarType dtype,
                                 const char* op, int me) {
-  // where (token, choice) p is in the sending order; the handle's order must be a permutation of 0..t·K-1
   const int64_t n = t * K;
-  std::vector<int64_t> row_of(size_t(n), -1);
-  const int64_t* order = perm.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t pair = order[j];
-    TORCH_CHECK(pair >= 0 && pair < n && row_of[size_t(pair)] < 0, "mk ", op, ": rank ", me,
-                ": the handle's send order is not a permutation of the ", n, " (token, choice) pairs (entry ", j,
-                " is ", pair, "); was it modified?");
-    row_of[size_t(pair)] = j;
-  }
   // fp16 is widened region by region first, and the sum rounded back at the end, by ATen's vectorised
   // conversions: c10::Half's scalar ones made the pass 1.4-2.2x slower than the ATen form (bfloat16's, a
   // shift, cost nothing measurable).
@@ -473,6 +488,8 @@ at::Tensor weighted_sum_on_host(const std::vector<RowRegion>& regions, const at:
   std::vector<const char*> row_at(size_t(n), nullptr);
   for (const RowRegion& r : regions) {
     if (r.n == 0) continue;
+    TORCH_CHECK(r.first >= 0 && r.n > 0 && r.first + r.n <= n, "mk ", op, ": rank ", me, ": internal error: rows [",
+                r.first, ", ", r.first + r.n, ") outside the ", n, " of the sending order");
     const char* base = r.base;
     if (widen) {
       at::Tensor dst = widened.narrow(0, r.first, r.n);
@@ -667,7 +684,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     for (auto& x : rx) x.wait();
     for (auto& x : tx) x.wait();
   }
-  if (on_host) return weighted_sum_on_host(regions, rt.perm, topk_weights, t, K, f, y.scalar_type(), op, me);
+  if (on_host) return weighted_sum_on_host(regions, rt.row_of, topk_weights, t, K, f, y.scalar_type(), op, me);
   // Back to token order (row token·K + choice is home's row inv[token·K + choice]), then the weighted sum
   // over the k choices as one batched product [t, 1, k] x [t, k, f], accumulated in fp32 in a fixed order.
   const at::Tensor perm = rt.perm.to(y.device());

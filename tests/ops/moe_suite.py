@@ -215,13 +215,15 @@ def check_errors() -> None:
     tw = torch.rand(4, 3) if rank == 0 else torch.rand(4, 2)
     expect_error("combine weights of the wrong shape", lambda: moe_combine(y, handle, tw),
                  "topk_weights" if rank == 0 else "rank 0")
-    if device.type == "cpu":
-        # a send order that is not a permutation (its last entry repeats the one before): every rank says so,
-        # after the exchange (the CPU weighted sum reads rows through it; no row is read twice or left out)
-        forged = handle.clone()
-        forged[-1] = forged[-2]
-        expect_error("send order not a permutation", lambda: moe_combine(y, forged, torch.rand(4, 2)),
-                     "not a permutation")
+    # a handle whose counts or send order were modified (the combine copies rows at the offsets they give): an
+    # error on every rank, before any row moves
+    forged = handle.clone()
+    forged[-1] = forged[-2]  # the last (token, choice) repeats the one before
+    expect_error("send order not a permutation", lambda: moe_combine(y, forged, torch.rand(4, 2)),
+                 "not a permutation")
+    forged = handle.clone()
+    forged[8] += 1  # one more row received from rank 0 for local expert 0 than y holds
+    expect_error("counts that do not add up", lambda: moe_combine(y, forged, torch.rand(4, 2)), "add up to")
     # the backward ops refuse a tensor that is not this rank's routing handle (before any exchange)
     name = dist.distributed_c10d._get_default_group().group_name
     for what, bogus in (("zeros", torch.zeros(40, dtype=torch.int64)),
