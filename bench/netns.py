@@ -48,6 +48,10 @@ TwoHosts, run_torch_job, unavailable_reason = hosts_mod.TwoHosts, hosts_mod.run_
 DEFAULT_ARGS = ["--max-bytes", "16M", "--factor", "4", "--time", "0.2"]
 
 
+# the benchmarks this runs on the two hosts, and the prefix of the JSON each writes
+SCRIPTS = {"collectives.py": "collectives", "fused_ops.py": "fused", "op_entry.py": "op-entry",
+           "carry_room.py": "carry-room"}
+
 SETTLE_MS = 10.0
 FUSED_BLOCKS = 4
 
@@ -83,9 +87,7 @@ def run_rate(rate: str | None, nproc: int, bench_args: list[str], out_dir: Path,
             print(r.describe(), file=sys.stderr)
         print(f"######## {desc}: FAILED (see stderr)", flush=True)
         return None
-    prefix = {"collectives.py": "collectives", "fused_ops.py": "fused", "op_entry.py": "op-entry",
-              "carry_room.py": "carry-room"}[script]
-    return out_dir / f"{prefix}-{tag}.json"
+    return out_dir / f"{SCRIPTS[script]}-{tag}.json"
 
 
 def summary(paths: dict[str, Path]) -> str:
@@ -113,7 +115,7 @@ def main() -> int:
     parser.add_argument("--nproc-per-host", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate before the job is killed")
     parser.add_argument("--out-dir", default=str(HERE / "results"))
-    parser.add_argument("--script", default="collectives.py", choices=["collectives.py", "fused_ops.py", "op_entry.py", "carry_room.py"],
+    parser.add_argument("--script", default="collectives.py", choices=list(SCRIPTS),
                         help="benchmark to run on the two hosts (fused_ops.py: fused ops vs unfused; op_entry.py: "
                              "the fused ops' fixed cost per call, with --carry with and without carrying; "
                              "carry_room.py: what a large carried call costs the small ones after it; no summary)")

@@ -682,11 +682,12 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank
   // q), in the type it was made in (see gemm_allreduce).
   Carried carried;
-  const int64_t block_bytes = mb * n * int64_t(c10::elementSize(Products::type(a_in, true)));
+  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
+  const int64_t block_bytes = mb * n * int64_t(c10::elementSize(made_t));
   const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 && cl.fits(R, block_bytes);
   if (offer) {
     prepare();
-    at::Tensor flat = Products::type(a_in, true) != acc_t ? at::Tensor() : at::empty({m, n}, a.options().dtype(acc_t));
+    at::Tensor flat = made_t != acc_t ? at::Tensor() : at::empty({m, n}, a.options().dtype(acc_t));
     full = prod->made(a, flat).view({R, mb, n});
     carried.bytes = size_t(block_bytes);
     carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };

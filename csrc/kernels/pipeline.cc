@@ -743,7 +743,7 @@ CarryLimit carry_limit(const Pipeline& p, size_t alltoall_most) {
   const Group& g = p.group();
   CarryLimit cl;
   cl.may_carry = g.size > 1 && (g.is_mk() ? p.over_tcp() : g.device.is_cpu());
-  cl.most_per_peer = g.is_mk() ? kCarryMax : std::min(alltoall_most, kCarryMaxAlltoall);
+  cl.most_per_peer = std::min(alltoall_most, carry_max(g.is_mk()));
   if (cl.may_carry)
     cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(cl.most_per_peer), 0, cl.problem);
   return cl;
