@@ -1,18 +1,16 @@
 """What a large carried call costs the small calls after it on Gloo (not a test).
 
-On backends other than mk the fused ops agree on their arguments with one alltoall of equal slots; a small
-payload rides in a "room" after each descriptor, sized alike on every rank from the group's last 8
-agreements (the most any rank proposed: csrc/kernels/group.h, Carried). A call that carries a large payload
-(up to kCarryMaxAlltoall to one peer) therefore widens the room, and the small calls that follow send slots
-of that size until 8 agreements have passed without it. torchrun script; three variants, timed in one run
-in alternating blocks:
+Until 2026-11-26 the fused ops agreed on their arguments on other backends with one alltoall of equal slots;
+a small payload rode in a "room" after each descriptor, sized alike on every rank from the group's last 8
+agreements, so a call that carried a large payload (up to kCarryMaxOther to one peer) widened the room and
+the small calls after it sent slots that large. Since then the agreement there is one send/recv to and from
+each peer (csrc/kernels/group.h, Carried), each message only as long as its data; this script shows what
+is left of the cost. torchrun script; three variants, timed in one run in alternating blocks:
 
 * ``small alone``: only the small call (default rules);
-* ``pair``: the large call, then the small one (default rules: the large payload rides in the agreement and
-  the small call's slots are as large);
+* ``pair``: the large call, then the small one (default rules: the large payload rides in the agreement);
 * ``pair, 64 KiB rule``: the same with SUPERKERNEL_OPS_CARRY_BYTES=65536 on every rank, the rule before
-  kCarryMaxAlltoall: the large call runs the agreement, then the backend's collective, and the room stays
-  small.
+  kCarryMaxOther: the large call runs the agreement, then the backend's collective.
 
 A barrier (after --settle-ms idle) precedes every call; a call's time is the maximum over ranks; the table gives medians. Writes JSON
 to bench/results/.
@@ -39,7 +37,7 @@ import superkernel.ops as mk
 HERE = Path(__file__).resolve().parent
 OPS: dict[str, Callable[..., object]] = {"allgather_gemm": mk.allgather_gemm, "gemm_allreduce": mk.gemm_allreduce,
                                          "gemm_reducescatter": mk.gemm_reducescatter}
-WARMUP = 12  # pairs before a block is timed: more than the 8 agreements a room remembers
+WARMUP = 12  # pairs before a block is timed (more than the 8 agreements the old room remembered)
 
 
 def timed(fn: Callable[[], object], settle_s: float) -> float:

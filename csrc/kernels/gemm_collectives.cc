@@ -341,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && rr.pays(m);
-  const CarryLimit cl = carry_limit(p, kCarryMaxAlltoall);
+  const CarryLimit cl = carry_limit(p, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
@@ -365,8 +365,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true}},
                    std::move(carried));
-  // Other backends on CPU (Gloo): the agreement is a collective of its own (an alltoall of 384 B took
-  // 0.27-0.32 ms on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
+  // Other backends on CPU (Gloo): the agreement is an exchange of its own (384 B each way took 0.18-0.32 ms
+  // on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
   // travels. Not on mk, where the agreement costs microseconds and splitting the GEMM in two measured slower
   // than the exchange it would hide (one host, 256^3 on 2 ranks: 0.92-0.94x of unfused against 0.97-1.03x).
   // Only when one chunk is planned: every rank then multiplies each rank's block with one GEMM of m rows,
@@ -538,7 +538,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
   model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
-  const CarryLimit cl = carry_limit(p, kCarryMaxAlltoall);
+  const CarryLimit cl = carry_limit(p, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc;
@@ -668,7 +668,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = rr.pays(mb);
-  const CarryLimit cl = carry_limit(p, kCarryMaxAlltoall);
+  const CarryLimit cl = carry_limit(p, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc_out, full;

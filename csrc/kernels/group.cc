@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -68,12 +69,11 @@ std::string value_text(const char* field, int64_t v) {
 
 // Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, host identity (hash),
 // where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers', the
-// bytes of carried data that follow the descriptor in this message, the bytes it would carry (other backends:
-// its proposal for the next call's room), whether it carries (1: its messages hold its data, possibly 0
-// bytes of it), then the fields.
-constexpr int64_t kMagic = 0x6d6b616772656534;  // "mkagree4"
+// bytes of carried data that follow the descriptor in this message, an unused word (0), whether it carries
+// (1: its messages hold its data, possibly 0 bytes of it), then the fields.
+constexpr int64_t kMagic = 0x6d6b616772656535;  // "mkagree5"
 constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
-constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13, kWant = 14;
+constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13;
 constexpr size_t kCarries = 15, kHead = 16;
 constexpr size_t kWords = 48;
 constexpr size_t kDescriptorBytes = kWords * sizeof(int64_t);
@@ -84,6 +84,9 @@ constexpr size_t kMaxFields = kWords - kHead;
 // a tag that never comes.
 constexpr uint64_t kTag = 1ull << 60;
 constexpr uint64_t kCheck = 0x6167726565000001ull;
+// The same on other backends with CPU tensors (gloo), whose tags are ints: bit 29 (pipeline.cc's point-to-point
+// data uses bit 30). A user's own send/recv on the group must stay below 2^29.
+constexpr int kOtherTag = (1 << 29) | 0x6167;
 
 void pack_name(const char* op, int64_t* out) {
   char name[kNameBytes] = {};
@@ -117,15 +120,15 @@ struct Agreement::State {
   std::function<void(bool)> on_result;
   std::vector<int64_t> mine;   // kWords
   std::vector<int64_t> theirs; // size * kWords (rank q at q * kWords; own row unused on mk)
+  // mk, and other backends on CPU
+  std::vector<at::Tensor> inbox;   // by peer: descriptor, then up to carry_max() bytes of carried data
+  std::vector<at::Tensor> outbox;  // messages (descriptor + data) kept until sent
+  bool carried_all = false;        // after check(): every rank carried its data
   // mk
   std::vector<RequestPtr> sends, recvs;  // by peer (null for this rank)
-  std::vector<at::Tensor> inbox;         // by peer: descriptor, then up to kCarryMax bytes of carried data
-  std::vector<at::Tensor> outbox;        // messages with carried data (descriptor + data), kept until sent
-  bool carried_all = false;              // after check(): every rank carried its data
-  size_t room = 0;                       // other backends: bytes after each descriptor in each alltoall slot
-  std::function<void(size_t)> on_room;
-  // other backends: the alltoall's buffers, R slots of `words` each (rank q's slot: its message to q / from q)
-  int64_t words = 0;
+  // other backends on CPU: the backend's point-to-point works, by peer (null for this rank)
+  std::vector<c10::intrusive_ptr<c10d::Work>> other_sends, other_recvs;
+  // other backends on other devices: the descriptors' alltoall (rank q's slot: its descriptor to q / from q)
   at::Tensor in, out;
   c10::intrusive_ptr<c10d::Work> work;
 
@@ -161,32 +164,42 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   }
   for (size_t i = 0; i < s.fields.size(); ++i) s.mine[kHead + i] = s.fields[i].value;
   const int R = g.size;
-  // (carried data never rides on the board; on other backends only in the room every rank reserved alike)
+  // (carried data never rides on the board, nor in an accelerator backend's alltoall)
   const bool board_active = s.board && s.board->active();
   const bool wants =
       R > 1 && carried.data && (carried.bytes > 0 || carried.size) && carried.bytes <= carry_max(g.is_mk());
   const bool other_cpu = !g.is_mk() && g.device.is_cpu();
-  if (other_cpu) s.room = std::min(carried.room, kCarryMaxAlltoall);
-  const bool carry = wants && !board_active && (g.is_mk() || (other_cpu && carried.bytes <= s.room));
+  const bool carry = wants && !board_active && (g.is_mk() || other_cpu);
   if (carry) {
     s.mine[kCarries] = 1;
-    s.mine[kCarried] = int64_t(carried.bytes);  // (mk with per-peer sizes: rewritten in each peer's message)
+    s.mine[kCarried] = int64_t(carried.bytes);  // (with per-peer sizes: rewritten in each peer's message)
   }
-  if (wants && other_cpu) s.mine[kWant] = int64_t(carried.bytes);
   s.theirs.assign(size_t(R) * kWords, 0);
-  // What this rank carries to peer q (when it carries), and peer q's message written at dst: the descriptor,
-  // saying how many bytes follow it, then those bytes.
+  // What this rank carries to peer q (when it carries).
   auto bytes_to = [&](int q) {
     const size_t bytes = carried.size ? carried.size(q) : carried.bytes;
     TORCH_CHECK(bytes <= carried.bytes, "mk ", op, ": rank ", g.rank, ": carries ", bytes, " bytes to rank ", q,
                 ", more than the ", carried.bytes, " it announced");
     return bytes;
   };
-  auto write_message = [&](char* dst, int q, size_t bytes) {
+  // This rank's message to peer q, in the outbox: the descriptor, saying how many bytes follow it, then those
+  // bytes (peers that get the same data share one message).
+  const void* last_data = nullptr;
+  size_t last_bytes = 0;
+  auto message_to = [&](int q) -> const at::Tensor& {
+    const void* data = carry ? carried.data(q) : nullptr;
+    const size_t bytes = carry ? bytes_to(q) : 0;
+    if (!s.outbox.empty() && data == last_data && bytes == last_bytes) return s.outbox.back();
+    at::Tensor msg = at::empty({int64_t(kDescriptorBytes + bytes)}, at::TensorOptions().dtype(at::kByte));
+    auto* dst = static_cast<char*>(msg.data_ptr());
     std::memcpy(dst, s.mine.data(), kDescriptorBytes);
     const int64_t announced = int64_t(bytes);
     std::memcpy(dst + kCarried * sizeof(int64_t), &announced, sizeof(announced));
-    if (bytes) std::memcpy(dst + kDescriptorBytes, carried.data(q), bytes);
+    if (bytes) std::memcpy(dst + kDescriptorBytes, data, bytes);
+    s.outbox.push_back(std::move(msg));
+    last_data = data;
+    last_bytes = bytes;
+    return s.outbox.back();
   };
   std::copy(s.mine.begin(), s.mine.end(), s.theirs.begin() + ptrdiff_t(size_t(g.rank) * kWords));
   if (R == 1) return;
@@ -203,37 +216,27 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
     s.board->publish(seq, s.mine.data());
     return;
   }
+  s.inbox.resize(size_t(R));
+  auto bytes_opts = at::TensorOptions().dtype(at::kByte);
+  // Every receive takes up to carry_max() bytes of carried data whether or not this rank carries any: a peer
+  // may (its limit, or its arguments, differ), and its message must still be taken whole.
+  const size_t capacity = kDescriptorBytes + carry_max(g.is_mk());
   if (g.is_mk()) {
     Comm& comm = g.comm();
     s.sends.resize(size_t(R));
     s.recvs.resize(size_t(R));
-    s.inbox.resize(size_t(R));
-    // Every receive takes up to kCarryMax bytes of carried data whether or not this rank carries any: a peer
-    // may (its limit, or its arguments, differ), and its message must still be taken whole.
-    const size_t capacity = kDescriptorBytes + kCarryMax;
-    auto bytes_opts = at::TensorOptions().dtype(at::kByte);
     try {
       comm.check_usable(op);
       // (sends first: this rank's message is what its peers wait for; one arriving before its receive is
       // posted waits in the matcher's unexpected queue)
-      const void* last_data = nullptr;  // (peers sent the same data share one message buffer)
-      size_t last_bytes = 0;
       for (int i = 1; i < R; ++i) {
         const int q = (g.rank + i) % R;
         if (!carry) {
           s.sends[size_t(q)] = comm.isend(q, kTag, s.mine.data(), kDescriptorBytes, kCheck);
           continue;
         }
-        const void* data = carried.data(q);
-        const size_t bytes = bytes_to(q);
-        if (s.outbox.empty() || data != last_data || bytes != last_bytes) {
-          at::Tensor msg = at::empty({int64_t(kDescriptorBytes + bytes)}, bytes_opts);
-          write_message(static_cast<char*>(msg.data_ptr()), q, bytes);
-          s.outbox.push_back(std::move(msg));
-          last_data = data;
-          last_bytes = bytes;
-        }
-        s.sends[size_t(q)] = comm.isend(q, kTag, s.outbox.back().data_ptr(), kDescriptorBytes + bytes, kCheck);
+        const at::Tensor& msg = message_to(q);
+        s.sends[size_t(q)] = comm.isend(q, kTag, msg.data_ptr(), size_t(msg.numel()), kCheck);
       }
       for (int i = 1; i < R; ++i) {
         const int q = (g.rank - i + R) % R;
@@ -247,21 +250,41 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
     }
     return;
   }
-  // One message per peer, each the descriptor then `room` bytes (the data carried to that peer, then zeros):
-  // an alltoall_base with equal splits. (Gloo between two namespace hosts, 2 ranks: its allgather of a 384 B
-  // or 4 KiB descriptor took 0.39-0.57 ms, its alltoall of the same 0.27-0.35 ms; moe_combine carrying through
-  // the allgather ran at 0.81x of the unfused alltoall.) This rank's own slot holds the descriptor alone.
-  auto opts = at::TensorOptions().dtype(at::kLong);
-  s.words = int64_t(kWords + (s.room + 7) / 8);
-  const size_t slot_bytes = size_t(s.words) * sizeof(int64_t);
-  s.in = at::zeros({R * s.words}, opts);
-  auto* slots = static_cast<char*>(s.in.data_ptr());
-  for (int q = 0; q < R; ++q)
-    write_message(slots + size_t(q) * slot_bytes, q, carry && q != g.rank ? bytes_to(q) : 0);
-  if (!g.device.is_cpu()) s.in = s.in.to(g.device);
-  s.out = at::empty({R * s.words}, opts.device(g.device));
-  std::vector<int64_t> equal_splits;  // (empty: R equal slots)
   try {
+    if (other_cpu) {
+      // One message to and from every peer through the backend's send/recv, each only as long as what it
+      // holds: a receive posted for `capacity` bytes takes a shorter message whole (Gloo checks only that it
+      // fits), and the descriptor says how many bytes follow it. An alltoall needs one slot size on every rank
+      // before anything is exchanged, so the data could ride only in a room sized from the group's earlier
+      // calls, whose padding a small call after a large carried one paid: 3-18x its time alone between two
+      // namespace hosts at 1 Gbit/s (bench/README.md). Gloo between those hosts, 2 ranks, a 384 B descriptor,
+      // barrier before each call, medians: send/recv 0.18-0.22 ms, its alltoall 0.25-0.28 ms, the alltoall
+      // with a 128 KiB room 0.31-0.35 ms (bench/README.md). Receives are posted first, so a peer's message
+      // finds its receive.
+      s.other_sends.resize(size_t(R));
+      s.other_recvs.resize(size_t(R));
+      for (int i = 1; i < R; ++i) {
+        const int q = (g.rank - i + R) % R;
+        s.inbox[size_t(q)] = at::empty({int64_t(capacity)}, bytes_opts);
+        std::vector<at::Tensor> box{s.inbox[size_t(q)]};
+        s.other_recvs[size_t(q)] = g.backend->recv(box, q, kOtherTag);
+      }
+      for (int i = 1; i < R; ++i) {
+        const int q = (g.rank + i) % R;
+        std::vector<at::Tensor> msg{message_to(q)};
+        s.other_sends[size_t(q)] = g.backend->send(msg, q, kOtherTag);
+      }
+      return;
+    }
+    // Accelerators (nccl): one alltoall_base of the descriptors, nothing carried (a batch of unmatched
+    // point-to-point calls would serialise there).
+    auto opts = at::TensorOptions().dtype(at::kLong);
+    s.in = at::empty({R * int64_t(kWords)}, opts);
+    for (int q = 0; q < R; ++q)
+      std::memcpy(s.in.data_ptr<int64_t>() + q * int64_t(kWords), s.mine.data(), kDescriptorBytes);
+    s.in = s.in.to(g.device);
+    s.out = at::empty({R * int64_t(kWords)}, opts.device(g.device));
+    std::vector<int64_t> equal_splits;  // (empty: R equal slots)
     s.work = g.backend->alltoall_base(s.out, s.in, equal_splits, equal_splits, c10d::AllToAllOptions());
   } catch (const c10::Error& e) {
     s.done = true;
@@ -281,16 +304,13 @@ bool Agreement::carried() const { return s_ && s_->carried_all; }
 const void* Agreement::carried_from(int q) const {
   TORCH_CHECK(carried() && q != s_->g.rank && q >= 0 && q < s_->g.size, "mk ", s_->op, ": rank ", s_->g.rank,
               ": no data carried from rank ", q, " in the argument agreement");
-  if (s_->g.is_mk()) return static_cast<const char*>(s_->inbox[size_t(q)].data_ptr()) + kDescriptorBytes;
-  return static_cast<const char*>(s_->out.data_ptr()) + size_t(q * s_->words) * sizeof(int64_t) + kDescriptorBytes;
+  return static_cast<const char*>(s_->inbox[size_t(q)].data_ptr()) + kDescriptorBytes;
 }
 
 size_t Agreement::carried_bytes(int q) const {
   carried_from(q);  // (the same checks)
   return size_t(s_->theirs[size_t(q) * kWords + kCarried]);
 }
-
-void Agreement::on_room(std::function<void(size_t)> fn) { s_->on_room = std::move(fn); }
 
 void Agreement::on_result(std::function<void(bool)> fn) { s_->on_result = std::move(fn); }
 
@@ -302,7 +322,7 @@ Agreement::~Agreement() {
       // nothing to consume: a peer rewrites this call's slot only after it has seen every rank's next one
     } else if (s_->g.is_mk()) {
       if (s_->finish_mk(true)) s_->advance_board();
-    } else if (s_->work) {
+    } else if (s_->work || !s_->other_recvs.empty()) {
       // The words still decide the board's state, as on every other rank (result() was not called here).
       s_->receive_other();
       s_->advance_board();
@@ -381,25 +401,38 @@ std::vector<std::vector<int64_t>> Agreement::result() {
   return all;
 }
 
-// Wait for the backend's alltoall of the descriptors and copy them to `theirs`.
+// Wait for the descriptors on another backend (its point-to-point messages, or its alltoall) and copy them to
+// `theirs`. A message whose announced data would not fit its receive is left out (its row stays zero: check()
+// reports a malformed descriptor).
 void Agreement::State::receive_other() {
-  try {
-    work->wait(g.timeout);
-  } catch (const c10::Error& e) {
-    throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": exchanging the argument descriptors with the ", g.size - 1,
-                           " other ranks failed: ", e.what_without_backtrace()));
+  const auto deadline = std::chrono::steady_clock::now() + g.timeout;
+  auto wait = [&](c10d::Work& w, const std::string& what) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      w.wait(std::max(left, std::chrono::milliseconds(1)));
+    } catch (const c10::Error& e) {
+      throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": ", what, " failed: ", e.what_without_backtrace()));
+    }
+  };
+  if (work) {
+    wait(*work, c10::str("exchanging the argument descriptors with the ", g.size - 1, " other ranks"));
+    if (!out.is_cpu()) out = out.cpu();
+    for (int r = 0; r < g.size; ++r)
+      std::memcpy(&theirs[size_t(r) * kWords], out.data_ptr<int64_t>() + r * int64_t(kWords), kDescriptorBytes);
+    return;
   }
-  if (!out.is_cpu()) out = out.cpu();
-  for (int r = 0; r < g.size; ++r)
-    std::memcpy(&theirs[size_t(r) * kWords], out.data_ptr<int64_t>() + r * words, kDescriptorBytes);
-  // What later calls' rooms are made of: the most any rank proposed to carry (a malformed row counts 0).
-  size_t most = 0;
-  for (int r = 0; r < g.size; ++r) {
-    const int64_t* d = &theirs[size_t(r) * kWords];
-    if (d[0] == kMagic && d[kWant] > 0 && size_t(d[kWant]) <= kCarryMaxAlltoall)
-      most = std::max(most, size_t(d[kWant]));
+  for (int q = 0; q < g.size; ++q)
+    if (other_recvs[size_t(q)]) wait(*other_recvs[size_t(q)], c10::str("receiving the argument descriptor of rank ", q));
+  for (int q = 0; q < g.size; ++q)
+    if (other_sends[size_t(q)]) wait(*other_sends[size_t(q)], c10::str("sending the argument descriptor to rank ", q));
+  for (int q = 0; q < g.size; ++q) {
+    if (!other_recvs[size_t(q)]) continue;
+    const auto* msg = static_cast<const char*>(inbox[size_t(q)].data_ptr());
+    int64_t announced = 0;
+    std::memcpy(&announced, msg + kCarried * sizeof(int64_t), sizeof(announced));
+    if (announced < 0 || size_t(announced) > size_t(inbox[size_t(q)].numel()) - kDescriptorBytes) continue;
+    std::memcpy(&theirs[size_t(q) * kWords], msg, kDescriptorBytes);
   }
-  if (on_room) on_room(most);
 }
 
 // After a collective agreement, the next step of the board (agreement_board.h), decided from the exchanged
@@ -453,8 +486,8 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   std::vector<std::vector<int64_t>> all(size_t(R), std::vector<int64_t>(fields.size()));
   for (int r = 0; r < R; ++r)
     for (size_t i = 0; i < fields.size(); ++i) all[size_t(r)][i] = row(r)[kHead + i];
-  // (a message's size was checked against its kCarried on mk; on other backends the data fits the room)
-  const size_t fits = g.is_mk() ? kCarryMax : room;
+  // (a message's size was checked against its kCarried on receipt; this is the limit on what was sent)
+  const size_t fits = carry_max(g.is_mk());
   carried_all = true;
   for (int r = 0; r < R; ++r)
     carried_all = carried_all && row(r)[kCarries] == 1 && row(r)[kCarried] >= 0 && size_t(row(r)[kCarried]) <= fits;

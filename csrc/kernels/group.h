@@ -54,26 +54,23 @@ struct Field {
 // Data that travels inside this rank's agreement messages (not on the board): a tiny call's operand or partial
 // product, so the op needs no exchange after the agreement (one round trip instead of two). Peer q gets
 // size(q) bytes from data(q) (0 allowed: the message is then the descriptor alone), or without `size` `bytes`
-// bytes; `bytes` (at most kCarryMax) is the most any peer gets. data(q) is read while the Agreement is
-// constructed (the messages are copies).
-//   mk     point-to-point messages, each receive taking up to kCarryMax bytes of it.
-//   other  (CPU tensors) the descriptors' alltoall, whose messages must have one size on every rank before
-//          anything is exchanged, even on ranks at different calls: `room` bytes after each descriptor, decided
-//          from the group's earlier agreements alone (the most any rank proposed in the last 8; Pipeline keeps
-//          it). The data rides when `bytes` fits the room; otherwise the room is padding. Every call proposes
-//          its `bytes` for the later ones.
+// bytes; `bytes` (at most carry_max()) is the most any peer gets. data(q) is read while the Agreement is
+// constructed (the messages are copies). Every receive of an agreement is posted carry_max() bytes long past
+// the descriptor, so a message holds only what its sender carries:
+//   mk     the transport's point-to-point messages;
+//   other  with CPU tensors (gloo), the backend's send/recv (never with accelerator tensors: nothing rides
+//          in their descriptors' alltoall).
 // An offer needs `data`, and `bytes` > 0 or `size` (a routed exchange may have nothing to send).
 struct Carried {
   size_t bytes = 0;
   std::function<const void*(int peer)> data;
   std::function<size_t(int peer)> size;
-  size_t room = 0;
 };
-// The most carried to one peer: kCarryMax on mk (every receive is posted that large), kCarryMaxAlltoall on
+// The most carried to one peer: kCarryMax on mk (every receive is posted that large), kCarryMaxOther on
 // other backends (the GEMM ops' limit there, see CarryLimit in pipeline.h).
 constexpr size_t kCarryMax = size_t(64) << 10;
-constexpr size_t kCarryMaxAlltoall = size_t(256) << 10;
-inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxAlltoall; }
+constexpr size_t kCarryMaxOther = size_t(256) << 10;
+inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxOther; }
 
 // The cross-rank agreement in flight. Constructing it sends this rank's descriptor (the op's name, its call
 // number `seq` on this group, the fields, and whether its own argument check passed) and posts the receives
@@ -81,7 +78,9 @@ inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxAlltoall; }
 // anything that needs only its own, locally checked, arguments: the exchange then hides behind that work.
 //   mk      one small message to and from every other rank straight over the transport (tag space of its
 //           own, matched in call order per pair), so nothing waits for a collective to be scheduled;
-//   other   one asynchronous alltoall of the descriptors on the backend (equal slots, one per rank);
+//   other   CPU tensors (gloo): one message to and from every other rank through the backend's send/recv (a
+//           tag of its own, matched in call order per pair); accelerators: one asynchronous alltoall of the
+//           descriptors on the backend;
 //   board   on either, once every rank is known to be on this host and has mapped its peers' boards: the
 //           descriptors go through `board` (shared memory, agreement_board.h).
 // result() throws on every rank, naming the op: with this rank's own error (`local_error`); "rank X rejected
@@ -111,9 +110,6 @@ class Agreement {
   // After result() with carried(): what rank q (not this rank) sent to this rank, and how many bytes.
   const void* carried_from(int q) const;
   size_t carried_bytes(int q) const;
-  // Other backends: called once the descriptors are in (whether or not they match) with the most any rank
-  // proposed to carry (0: none), the same on every rank: what later calls' rooms are made of.
-  void on_room(std::function<void(size_t proposed)> fn);
   // After result(): whether every rank of the group runs on this host (same host identity: hostname, boot id,
   // network namespace). Every rank gets the same answer.
   bool same_host() const;

@@ -58,7 +58,6 @@ using Lane = JobThread;
 // reference to the backend kept them running after destroy_process_group, into interpreter shutdown, where a
 // Gloo worker that released a Python-owned tensor called std::terminate. ProcessGroup releases its backends
 // when its last strong reference goes (release_resources), so they are destroyed on time.
-constexpr size_t kRoomHistory = 8;
 // Other backends on CPU: allgathers of at most this many bytes per rank run as an alltoall (Pipeline::allgather).
 constexpr size_t kAlltoallGatherBytes = size_t(256) << 10;
 
@@ -67,10 +66,6 @@ struct GroupState {
   std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
-  // non-mk backends: the most any rank proposed to carry in each of the last kRoomHistory agreements on the
-  // group (the same on every rank: read from the exchanged descriptors); the next agreement's room is their
-  // maximum (group.h's Carried)
-  std::deque<size_t> proposed;
   std::shared_ptr<AgreementBoard> board;  // the agreement board (group.h, agreement_board.h), once created
   bool board_tried = false;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
@@ -359,7 +354,6 @@ Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& lo
     }
     if (st.board && st.board->retired()) st.board.reset();
     board = st.board;
-    if (!g_.is_mk()) carried.room = st.proposed.empty() ? 0 : *std::max_element(st.proposed.begin(), st.proposed.end());
   }
   Agreement a(g_, op_, std::move(fields), local_error, seq_, std::move(board), std::move(carried));
   if (!g_.is_mk()) {
@@ -369,14 +363,6 @@ Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& lo
       std::lock_guard<std::mutex> lock(states_mu());
       auto it = states().find(key);
       if (it != states().end()) it->second.one_host = same ? 1 : 0;
-    });
-    a.on_room([key](size_t most) {
-      std::lock_guard<std::mutex> lock(states_mu());
-      auto it = states().find(key);
-      if (it == states().end()) return;
-      auto& proposed = it->second.proposed;
-      proposed.push_back(most);
-      if (proposed.size() > kRoomHistory) proposed.pop_front();
     });
   }
   return a;
@@ -739,11 +725,11 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
   return 0;
 }
 
-CarryLimit carry_limit(const Pipeline& p, size_t alltoall_most) {
+CarryLimit carry_limit(const Pipeline& p, size_t other_most) {
   const Group& g = p.group();
   CarryLimit cl;
   cl.may_carry = g.size > 1 && (g.is_mk() ? p.over_tcp() : g.device.is_cpu());
-  cl.most_per_peer = std::min(alltoall_most, carry_max(g.is_mk()));
+  cl.most_per_peer = std::min(other_most, carry_max(g.is_mk()));
   if (cl.may_carry)
     cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", int64_t(cl.most_per_peer), 0, cl.problem);
   return cl;

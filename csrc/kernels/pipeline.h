@@ -113,7 +113,7 @@ class Pipeline {
   // The same, started now and checked by the returned Agreement's result(): compute that needs only this
   // rank's own (locally checked) arguments can run in between and hide the exchange. No communication of
   // the op may start before result() returned. `carried`: data sent inside the agreement's messages (group.h's
-  // Carried: over mk's transport, or in another backend's alltoall of CPU descriptors; never on the board).
+  // Carried: over mk's transport, or another backend's send/recv with CPU tensors; never on the board).
   Agreement start_agree(std::vector<Field> fields, const std::string& local_error, Carried carried = {});
 
   // This rank's proposal for the chunk count: `requested` > 0 wins (clamped to [1, max_chunks]); 0 picks
@@ -263,19 +263,17 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // call makes one exchange instead of the agreement's round trip followed by the op's own (2 namespace hosts at
 // 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused on mk, 0.41x on Gloo, where the agreement's
 // extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other backends with
-// CPU tensors (where the agreement is an alltoall: the data rides from the second call of the op with that
-// payload size on, see Carried::room; on one host the board soon takes the agreement instead). Taken when
+// CPU tensors (on one host the board soon takes the agreement there, and nothing rides on it). Taken when
 // this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (by default the per-peer limit: 64 KiB, or
-// `alltoall_most` below; 0 turns it off) to all peers together, and at
-// most that per-peer limit to each, with an automatic chunk count; the op then uses it only if every rank carried its
-// part (decided from the exchanged descriptors, so alike everywhere; otherwise its usual path, and what came
-// along is dropped). Direct sends to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank
-// against a ring's 2 (R - 1) / R m n, which the limit on the total keeps small.
-// `alltoall_most`: the most to one peer, and the default total, on other backends (the GEMM ops pass
-// kCarryMaxAlltoall, 256 KiB: on Gloo between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went
-// from 0.33x of unfused to 1.18x and allgather_gemm from 0.83x to 1.00x; the agreement's alltoall then
-// carries what Gloo's own collective would have sent, one collective instead of two). The price: the calls
-// after a large carried one send slots as large (Carried::room) for 8 agreements (bench/carry_room.py).
+// `other_most` below; 0 turns it off) to all peers together, and at most that per-peer limit to each, with an
+// automatic chunk count; the op then uses it only if every rank carried its part (decided from the exchanged
+// descriptors, so alike everywhere; otherwise its usual path, and what came along is dropped). Direct sends
+// to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank against a ring's 2 (R - 1) / R
+// m n, which the limit on the total keeps small.
+// `other_most`: the most to one peer, and the default total, on other backends (the GEMM ops pass
+// kCarryMaxOther, 256 KiB: on Gloo between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went
+// from 0.33x of unfused to 1.18x and allgather_gemm from 0.83x to 1.00x; the agreement's messages then carry
+// what Gloo's own collective would have sent, one exchange instead of two).
 struct CarryLimit {
   bool may_carry = false;  // R > 1, and mk with a peer across hosts or another backend on CPU
   int64_t total = 0;       // the limit (0: off, not read, or invalid)
@@ -289,7 +287,7 @@ struct CarryLimit {
     return may_carry && total > 0 && largest >= 0 && size_t(largest) <= most_per_peer && sum <= total;
   }
 };
-CarryLimit carry_limit(const Pipeline& p, size_t alltoall_most = kCarryMax);
+CarryLimit carry_limit(const Pipeline& p, size_t other_most = kCarryMax);
 
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
 // parts get one more; parts are empty when chunks > n).

@@ -9,11 +9,10 @@ import re
 import pytest
 import torch
 
-from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES, WorldCache, failures_of,
-                                 gemm_paths, product_bytes)
+from tests.ops.ops_world import (CARRY_BYTES, GLOO_GEMM_CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES,
+                                 WorldCache, failures_of, gemm_paths)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
-GLOO_GEMM_CARRY_BYTES = 256 << 10  # kCarryMaxAlltoall: the GEMM ops' carry limit on other backends
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
 # (the rings across hosts also on the suite's small shapes, whose blocks have fewer rows than the default
 # SUPERKERNEL_OPS_RING_MIN_ROWS, and which would otherwise be carried in the agreement:
@@ -203,28 +202,22 @@ def test_small_calls_carried(world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_small_calls_carried(world: int) -> None:
-    """On Gloo the agreement is an alltoall of equal-size slots: small payloads ride in a room every rank
-    sizes alike from the group's earlier agreements (also when the ranks are at different ops, which the error
-    suite checks). Carried calls happen for every op, only with an automatic chunk count and at most 256 KiB
-    sent by a rank (the GEMM ops' limit on other backends), and some above mk's 64 KiB; results match the
-    float64 reference, are the same bytes on every rank, and the errors are raised on every rank with the
-    group usable after them."""
+    """On Gloo the agreement's messages are the backend's send/recv, each receive posted 256 KiB past the
+    descriptor, so every call under the GEMM ops' rule there (an automatic chunk count, at most 256 KiB to a
+    peer and in all) carries its payload, from its first call and whatever earlier calls sent; every other
+    call takes the collective path. Some carried calls are above mk's 64 KiB; results match the float64
+    reference, are the same bytes on every rank, and the errors are raised on every rank with the group
+    usable after them."""
     results = _gloo_carry.results(world, "gloo", ["--errors"])
     carried: dict[str, int] = {}
     above_mk = 0
     for res in results:
-        for line in re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.* carried$",
-                               res.stderr, flags=re.MULTILINE):
-            op, m, k, n, dtype = re.match(r"\[mk (\w+) .*\] m=(\d+) k(?:_r)?=(\d+) n=(\d+) (\w+) ", line).groups()
-            assert "automatic" in line, line
-            # what one peer gets: the shard (allgather_gemm), the product (gemm_allreduce), its block of it
-            # (products as made: see product_bytes)
-            size = {"allgather_gemm": int(m) * int(k) * (4 if dtype == "Float" else 2),
-                    "gemm_allreduce": int(m) * int(n) * product_bytes(dtype),
-                    "gemm_reducescatter": int(m) // world * int(n) * product_bytes(dtype)}[op]
-            assert 0 < (world - 1) * size <= GLOO_GEMM_CARRY_BYTES, line
-            carried[op] = carried.get(op, 0) + 1
-            above_mk += (world - 1) * size > CARRY_BYTES
+        for op, rank, m, took, want in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
+                                                  carry_bytes=GLOO_GEMM_CARRY_BYTES, gloo=True):
+            assert took == want, f"rank {rank}: {op} m={m} on Gloo: {took}, not {want}"
+            if took == "carried":
+                carried[op] = carried.get(op, 0) + 1
+                above_mk += op == "gemm_allreduce" and m == 96  # the suite's m=96 k=8 n=256 product: 96 KiB
     assert set(carried) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, carried
     assert above_mk, "no call above mk's 64 KiB limit was carried (the suite's m=96 k=8 n=256 gemm_allreduce)"
     reps = [r.report() for r in results]

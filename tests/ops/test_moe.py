@@ -53,18 +53,18 @@ _ELEMENT = {"Float": 4, "BFloat16": 2, "Half": 2}
 CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default
 
 
-def _carry_paths(stderr: str, world: int, gloo: bool) -> dict[tuple[str, bool], int]:
+def _carry_paths(stderr: str, world: int) -> dict[tuple[str, bool], int]:
     """Checks every traced call's path against the carry rule and counts (op, carried). A rank sends at most
     t k rows (of h elements in a dispatch, f in a combine) plus, in a dispatch, its E expert counts to each
-    peer: when that bound, times the R - 1 peers, is within 64 KiB the call must carry (on mk; on Gloo only
-    once the group's earlier agreements made room for it, which the trace does not show). A call whose rows
-    alone take more than 1 MiB must not (the suite's only such case routes its rows uniformly, so most leave)."""
+    peer: when that bound, times the R - 1 peers, is within 64 KiB the call must carry (mk over tcp, and Gloo
+    with the board off: from the first call of a size on). A call whose rows alone take more than 1 MiB must
+    not (the suite's only such case routes its rows uniformly, so most leave)."""
     seen: dict[tuple[str, bool], int] = {}
     for op, rank, t, k, er, h, f, dtype, carried in _MOE_TRACE.findall(stderr):
         width = int(h) if op == "moe_dispatch_gemm" else int(f)
         rows = int(t) * int(k) * width * _ELEMENT[dtype]
         header = world * int(er) * 8 if op == "moe_dispatch_gemm" else world * 8
-        if (world - 1) * (rows + header) <= CARRY_BYTES and not gloo:
+        if (world - 1) * (rows + header) <= CARRY_BYTES:
             assert carried, f"rank {rank}: {op} t={t} k={k} width={width} {dtype} was not carried"
         if rows > 1 << 20:
             assert not carried, f"rank {rank}: {op} t={t} k={k} width={width} {dtype} carried {rows} bytes of rows"
@@ -83,7 +83,7 @@ def test_small_calls_carried(world: int, transport: str) -> None:
     results = _carry.results(world, transport, [])
     seen: dict[tuple[str, bool], int] = {}
     for res in results:
-        for key, n in _carry_paths(res.stderr, world, transport == "gloo").items():
+        for key, n in _carry_paths(res.stderr, world).items():
             seen[key] = seen.get(key, 0) + n
     for op in ("moe_dispatch_gemm", "moe_combine"):
         assert seen.get((op, True)) and seen.get((op, False)), seen

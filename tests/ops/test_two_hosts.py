@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.netns.hosts import TwoHosts, rank_reports, run_torch_job, unavailable_reason
-from tests.ops.ops_world import CARRY_BYTES, HERE, RING_ON_SMALL_SHAPES, gemm_paths
+from tests.ops.ops_world import CARRY_BYTES, GLOO_GEMM_CARRY_BYTES, HERE, RING_ON_SMALL_SHAPES, gemm_paths
 
 REASON = unavailable_reason()
 PER_HOST = 2
@@ -108,20 +108,18 @@ def test_mk_takes_the_cross_host_paths() -> None:
 def test_carries_small_calls_between_hosts(backend: str) -> None:
     """With the default rules, small calls carry their payload inside the agreement's messages: on mk to the
     other host's ranks over TCP and to this host's over shared memory, every call taking the path the rules
-    give; on Gloo in the agreement's alltoall. The suite (float64 references, gradients, mismatch errors)
-    passes with identical results everywhere."""
+    give; on Gloo in the agreement's send/recv to every rank, under the GEMM ops' 256 KiB rule there, every
+    call alike. The suite (float64 references, gradients, mismatch errors) passes with identical results
+    everywhere."""
     reports, stderrs, _ = run("gemm_suite.py", backend, defaults=True)
     problems = [f"rank {rep['rank']}: {family}: {f}" for rep in reports for family in SUITES["gemm_suite.py"][0]
                 for f in rep["failures"].get(family, [])]
     assert not problems, "\n".join(problems[:20])
     paths: dict[tuple[str, str], int] = {}
     for err in stderrs:
-        if backend == "gloo":  # (which calls carry depends on the room earlier calls sized: see test_gemm_ops)
-            for op in re.findall(r"^\[mk (\w+) rank \d+ call \d+\] m=.* carried$", err, flags=re.MULTILINE):
-                paths[(op, "carried")] = paths.get((op, "carried"), 0) + 1
-            continue
-        for op, rank, m, took, want in gemm_paths(err, 2 * PER_HOST, over_tcp=True, min_rows=64,
-                                                  carry_bytes=CARRY_BYTES):
+        gloo = backend == "gloo"
+        for op, rank, m, took, want in gemm_paths(err, 2 * PER_HOST, over_tcp=True, min_rows=64, gloo=gloo,
+                                                  carry_bytes=GLOO_GEMM_CARRY_BYTES if gloo else CARRY_BYTES):
             assert took == want, f"rank {rank}: {op} m={m} between hosts: {took}, not {want}"
             paths[(op, took)] = paths.get((op, took), 0) + 1
     for op in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
@@ -145,7 +143,7 @@ _CARRIED_TRACE = re.compile(r"^\[mk (moe_dispatch_gemm|moe_combine|ring_attentio
 def test_moe_and_attention_carry_between_hosts(suite: str, backend: str) -> None:
     """With the default rules the MoE ops and ring_attention carry small calls inside the agreement (mk: to
     the other host over TCP and to this host's peer over shared memory, sizes per pair for the MoE ops; Gloo:
-    in the agreement's alltoall): carried calls of every op of the suite, and the suite's references,
+    in the agreement's send/recv): carried calls of every op of the suite, and the suite's references,
     gradients and errors pass on all four ranks. On mk an attention block whose K/V to the three peers
     exceeds the 64 KiB rule is gathered after the agreement."""
     reports, stderrs, _ = run(suite, backend, defaults=True)
