@@ -123,6 +123,17 @@ void sum_in_rank_order(at::Tensor& acc, int R, Part part) {
   for (int q = 2; q < R; ++q) acc.add_(part(q));
 }
 
+// Other backends sum a collective's terms in the tensor's type, so half-type partial sums went to them widened
+// to fp32: twice the bytes of the unfused allreduce / reduce-scatter of the half type (Gloo between 2
+// namespace hosts at 1 Gbit/s, bf16 1024^3: gemm_allreduce 0.67x and gemm_reducescatter 0.63x of unfused,
+// bench/README.md). Where the product is made in the half type (oneDNN on CPU), its terms travel as made and
+// are summed here in fp32, in rank order: gemm_reducescatter sends each rank its block by alltoall ((R - 1)
+// blocks either way, in half the bytes), gemm_allreduce gathers every rank's product ((R - 1) m n half
+// elements against a ring's 2 (R - 1) / R m n fp32 ones: no more up to 4 ranks, `most_ranks`).
+bool sums_here(const Group& g, at::ScalarType acc_t, at::ScalarType made_t, int most_ranks = 1 << 30) {
+  return !g.is_mk() && g.device.is_cpu() && made_t != acc_t && g.size > 1 && g.size <= most_ranks;
+}
+
 // Fewest rows per GEMM for which the rings over the transport (mk, a peer across hosts) are taken. A ring
 // multiplies one block of rows per step, and every GEMM packs b again: with few rows the product is that
 // packing, so splitting it R ways costs up to R times the product (2 namespace hosts at 1 Gbit/s, 8x1024x1024:
@@ -541,7 +552,9 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const CarryLimit cl = carry_limit(p, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
-  at::Tensor a, acc;
+  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
+  const bool sum_here = sums_here(g, acc_t, made_t, /*most_ranks=*/4);
+  at::Tensor a, acc, term;  // term: this rank's product as it travels (acc, or as made when sum_here)
   std::optional<Products> prod;
   auto prepare = [&] {
     if (a.defined()) return;
@@ -549,12 +562,15 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     prod.emplace(a_in, b_in, /*exact=*/true);
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
+  auto make_term = [&] {
+    if (!term.defined()) term = sum_here ? at::empty({m, n}, a.options().dtype(made_t)) : acc;
+  };
   // A small product is computed first and travels inside the agreement (the whole of it to every peer), in
   // the type it was made in (a half-type product made on the CPU loses nothing by travelling unwidened).
   Carried carried;
   at::Tensor own;  // this rank's product when offered
   const bool offer = err.empty() && chunks == 0 && m > 0 && n > 0 &&
-                     cl.fits(R, m * n * int64_t(c10::elementSize(Products::type(a_in, true))));
+                     cl.fits(R, m * n * int64_t(c10::elementSize(made_t)));
   if (offer) {
     prepare();
     own = prod->made(a, acc);
@@ -573,8 +589,9 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const bool early = offer || (err.empty() && !ring && !slots_fit && ga.proposal() == 1 && m > 0 && n > 0);
   if (early && !offer) {
     prepare();
-    prod->into(acc, a);
-    p.publish(acc);
+    make_term();
+    prod->into(term, a);
+    p.publish(term);
   }
   const int64_t C = ga.chunks();
   if (ga.carried()) {  // every rank's product came with the agreement: summed in rank order, alike everywhere
@@ -585,7 +602,11 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     });
     return half ? sum.to(a_in.scalar_type()) : sum;
   }
-  if (offer && !own.is_same(acc)) acc.copy_(own);  // offered but not carried: the product, widened
+  if (offer && sum_here) {
+    term = own;  // offered but not carried: the product, as made
+  } else if (offer && !own.is_same(acc)) {
+    acc.copy_(own);  // ... widened
+  }
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, row_bytes, 1, C) : 0;
   const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n);
   if (!early) prepare();
@@ -622,23 +643,31 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     if (rg.second > rg.first) ranges.push_back(rg);
   }
   at::Tensor out = half ? at::empty({m, n}, a.options()) : acc;
+  make_term();
+  std::vector<at::Tensor> gathered(ranges.size());  // sum_here: every rank's rows of chunk i, [R, rows, n]
   p.overlap(
       int64_t(ranges.size()),
       [&](int64_t i) {
         if (early) return;
         auto [lo, hi] = ranges[size_t(i)];
-        at::Tensor dst = acc.narrow(0, lo, hi - lo);
+        at::Tensor dst = term.narrow(0, lo, hi - lo);
         prod->into(dst, a.narrow(0, lo, hi - lo));
         p.publish(dst);
       },
       [&](int64_t i) {
         auto [lo, hi] = ranges[size_t(i)];
-        return p.allreduce(acc.narrow(0, lo, hi - lo));
+        if (!sum_here) return p.allreduce(acc.narrow(0, lo, hi - lo));
+        gathered[size_t(i)] = at::empty({R, hi - lo, n}, term.options());
+        return p.allgather(term.narrow(0, lo, hi - lo), gathered[size_t(i)]);
       },
       [&](int64_t i) {
-        if (!half) return;
         auto [lo, hi] = ranges[size_t(i)];
-        out.narrow(0, lo, hi - lo).copy_(acc.narrow(0, lo, hi - lo));
+        if (sum_here) {
+          at::Tensor dst = acc.narrow(0, lo, hi - lo);
+          sum_in_rank_order(dst, R, [&](int q) { return gathered[size_t(i)].select(0, q); });
+          gathered[size_t(i)] = at::Tensor();
+        }
+        if (half) out.narrow(0, lo, hi - lo).copy_(acc.narrow(0, lo, hi - lo));
       },
       /*depth=*/int(ranges.size()) + 1);
   return out;
@@ -671,6 +700,9 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const CarryLimit cl = carry_limit(p, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
+  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
+  const bool sum_here = sums_here(g, acc_t, made_t);
+  const at::ScalarType stage_t = sum_here ? made_t : acc_t;  // what the partial sums travel as
   at::Tensor a, acc_out, full;
   std::optional<Products> prod;
   auto prepare = [&] {
@@ -682,7 +714,6 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank
   // q), in the type it was made in (see gemm_allreduce).
   Carried carried;
-  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
   const int64_t block_bytes = mb * n * int64_t(c10::elementSize(made_t));
   const bool offer = err.empty() && chunks == 0 && mb > 0 && n > 0 && cl.fits(R, block_bytes);
   if (offer) {
@@ -704,7 +735,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const bool early = offer || (err.empty() && !ring && !slots_fit && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0);
   if (early && !offer) {
     prepare();
-    full = at::empty({R, mb, n}, a.options().dtype(acc_t));
+    full = at::empty({R, mb, n}, a.options().dtype(stage_t));
     prod->into(full.view({m, n}), a);
     p.publish(full);
   }
@@ -716,7 +747,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     });
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
-  if (offer && full.scalar_type() != acc_t) full = full.to(acc_t);  // offered but not carried: widened
+  if (offer && full.scalar_type() != stage_t) full = full.to(stage_t);  // offered but not carried: widened
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
   // (a chunk of every row is one GEMM into the slot, else one per block)
   const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;
@@ -756,8 +787,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   // Other backends, and mk on one host: one staging buffer per chunk, [R, rows_i, n], block
   // j = rows of rank j's block (the reduce-scatter input); the reduce_scatter of chunk i overlaps the
-  // products of chunk i+1.
-  std::vector<at::Tensor> stage(ranges.size());
+  // products of chunk i+1. With sum_here the blocks go by alltoall as made, and the sum is formed here.
+  std::vector<at::Tensor> stage(ranges.size()), got(ranges.size());
   p.overlap(
       int64_t(ranges.size()),
       [&](int64_t i) {
@@ -767,7 +798,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
           stage[size_t(i)] = rows == mb ? full : full.narrow(1, lo, rows).contiguous();
           return;
         }
-        stage[size_t(i)] = at::empty({R, rows, n}, a.options().dtype(acc_t));
+        stage[size_t(i)] = at::empty({R, rows, n}, a.options().dtype(stage_t));
         for (int j = 0; j < R; ++j) {
           prod->into(stage[size_t(i)].select(0, j), a.narrow(0, j * mb + lo, rows));
         }
@@ -775,9 +806,20 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
       },
       [&](int64_t i) {
         auto [lo, hi] = ranges[size_t(i)];
-        return p.reduce_scatter(stage[size_t(i)], acc_out.narrow(0, lo, hi - lo));
+        if (!sum_here) return p.reduce_scatter(stage[size_t(i)], acc_out.narrow(0, lo, hi - lo));
+        const at::Tensor& in = stage[size_t(i)];
+        got[size_t(i)] = at::empty(in.sizes(), in.options());
+        return p.alltoall(in.view({R * (hi - lo), n}), got[size_t(i)].view({R * (hi - lo), n}), {}, {});
       },
-      [&](int64_t i) { stage[size_t(i)] = at::Tensor(); },
+      [&](int64_t i) {
+        if (sum_here) {
+          auto [lo, hi] = ranges[size_t(i)];
+          at::Tensor dst = acc_out.narrow(0, lo, hi - lo);
+          sum_in_rank_order(dst, R, [&](int q) { return got[size_t(i)].select(0, q); });
+          got[size_t(i)] = at::Tensor();
+        }
+        stage[size_t(i)] = at::Tensor();
+      },
       /*depth=*/int(ranges.size()) + 1);
   return half ? acc_out.to(a_in.scalar_type()) : acc_out;
 }
