@@ -538,8 +538,11 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (err.empty() && chunks < 0) err = "chunks must be >= 0 (0 = automatic)";
   const int64_t m = dim_or(a_in, 0), k = dim_or(a_in, 1), n = dim_or(b_in, 1);
   const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
-  ChunkModel model;
-  model.comm_bytes = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
+  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
+  const bool sum_here = sums_here(g, acc_t, made_t, /*most_ranks=*/4);
+  ChunkModel model;  // (bytes sent by a rank: a ring allreduce's, or the gathered products' when sum_here)
+  model.comm_bytes = double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) *
+                     (sum_here ? double(g.size - 1) * c10::elementSize(made_t) : 2.0 * c10::elementSize(acc_t));
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   // Over tcp, when R divides m: a ring straight over the transport (reduce-scatter of partial sums, then
   // allgather of the reduced blocks, see ring_reducescatter), so the link never waits for a collective to be
@@ -552,8 +555,6 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const CarryLimit cl = carry_limit(p, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
-  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
-  const bool sum_here = sums_here(g, acc_t, made_t, /*most_ranks=*/4);
   at::Tensor a, acc, term;  // term: this rank's product as it travels (acc, or as made when sum_here)
   std::optional<Products> prod;
   auto prepare = [&] {
@@ -686,8 +687,11 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     err = c10::str("the group size ", R, " must divide m = ", m, " (rows are scattered in equal blocks)");
   const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
   const int64_t mb = m >= 0 ? m / R : 0;
+  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
+  const bool sum_here = sums_here(g, acc_t, made_t);
+  const at::ScalarType stage_t = sum_here ? made_t : acc_t;  // what the partial sums travel as
   ChunkModel model;
-  model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(acc_t);
+  model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(stage_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, mb);
   // mk: the ring of partial sums over the transport across hosts; on one host each chunk's reduce-scatter is
@@ -700,9 +704,6 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const CarryLimit cl = carry_limit(p, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
-  const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
-  const bool sum_here = sums_here(g, acc_t, made_t);
-  const at::ScalarType stage_t = sum_here ? made_t : acc_t;  // what the partial sums travel as
   at::Tensor a, acc_out, full;
   std::optional<Products> prod;
   auto prepare = [&] {
