@@ -136,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
       }
     }
   }
-  const CarryLimit cl = carry_limit(p);
+  const CarryLimit cl = carry_limit(p, kCarryMax, /*routed=*/true);
   if (problem.empty()) problem = cl.problem;
   const bool ok = problem.empty();
 
@@ -160,12 +160,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   Carried carried;
   at::Tensor outbox;
   std::vector<int64_t> out_at(size_t(R), 0), rows_to(size_t(R), 0), row_at(size_t(R), 0);
+  int64_t largest = -1, sum = 0;  // what this rank would carry: the most to one peer, and to all (-1: not asked)
   if (ok && x.device().is_cpu() && cl.may_carry) {
     const int64_t* cnt = counts.data_ptr<int64_t>();
     for (int d = 0; d < R; ++d)
       for (int64_t e = 0; e < Er; ++e) rows_to[size_t(d)] += cnt[d * Er + e];
     for (int d = 1; d < R; ++d) row_at[size_t(d)] = row_at[size_t(d - 1)] + rows_to[size_t(d - 1)];
-    int64_t largest = 0, sum = 0;
+    largest = 0;
     for (int d : others) {
       largest = std::max(largest, header + rows_to[size_t(d)] * row_size);
       sum += header + rows_to[size_t(d)] * row_size;
@@ -220,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
     p.allgather(counts, C.view({-1})).wait();  // flat: Gloo splits the output like the input
   }
   p.trace("t=", t, " k=", K, " E_r=", Er, " h=", h, " f=", f, " ", x.scalar_type(),
-          agreement.carried() ? " carried" : "");
+          largest >= 0 ? c10::str(" sends ", largest, "/", sum) : "", agreement.carried() ? " carried" : "");
   const at::Tensor Chost = C.to(at::kCPU);   // on an accelerator: after the gather (stream-ordered copy)
   const auto Ca = Chost.accessor<int64_t, 2>();
   auto from = [&](int s, int64_t e) { return Ca[s][me * Er + e]; };  // rows from s for my expert e
@@ -529,7 +530,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
     else if (!topk_weights.is_floating_point())
       problem = c10::str("topk_weights must be floating point, got ", topk_weights.scalar_type());
   }
-  const CarryLimit cl = carry_limit(p);
+  const CarryLimit cl = carry_limit(p, kCarryMax, /*routed=*/true);
   if (problem.empty()) problem = cl.problem;
   const bool ok = problem.empty();
 
@@ -616,7 +617,9 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& handle, const at::
                                        {"dtype", dtype_code(y.scalar_type())}},
                                       problem, std::move(carried));
   agreement.result();
-  p.trace("t=", t, " k=", K, " E_r=", Er, " f=", f, " ", y.scalar_type(), agreement.carried() ? " carried" : "");
+  p.trace("t=", t, " k=", K, " E_r=", Er, " f=", f, " ", y.scalar_type(),
+          ok && y.device().is_cpu() && cl.may_carry ? c10::str(" sends ", largest, "/", leaving) : "",
+          agreement.carried() ? " carried" : "");
 
   // Every (token, choice) comes back exactly once. On CPU the weighted sum reads each row where it is (`regions`
   // of this rank's sending order): in the agreement's messages when they carried the rows, this rank's own rows

@@ -265,11 +265,15 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other backends with
 // CPU tensors (on one host the board soon takes the agreement there, and nothing rides on it). Taken when
 // this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (by default the per-peer limit: 64 KiB, or
-// `other_most` below; 0 turns it off) to all peers together, and at most that per-peer limit to each, with an
+// `other_most` below; R - 1 times that for `routed` ops; 0 turns it off) to all peers together, and at most that per-peer limit to each, with an
 // automatic chunk count; the op then uses it only if every rank carried its part (decided from the exchanged
 // descriptors, so alike everywhere; otherwise its usual path, and what came along is dropped). Direct sends
 // to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank against a ring's 2 (R - 1) / R
 // m n, which the limit on the total keeps small.
+// `routed` (the MoE ops): the direct sends are the op's own exchange (an alltoall by routing), not bytes on top
+// of a ring's, so the default total is the per-peer limit times R - 1 (2 namespace hosts x 2 ranks, mk, 1
+// Gbit/s, t=64 h=256 f=256 k=2 fp32, where ~96 KiB leave a rank: moe_combine 0.95x and 0.66x of unfused at 2
+// and 8 experts per rank, moe_dispatch_gemm 0.93x and 0.92x, with a 64 KiB total; bench/README.md).
 // `other_most`: the most to one peer, and the default total, on other backends (the GEMM ops pass
 // kCarryMaxOther, 256 KiB: on Gloo between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went
 // from 0.33x of unfused to 1.18x and allgather_gemm from 0.83x to 1.00x; the agreement's messages then carry
@@ -287,7 +291,7 @@ struct CarryLimit {
     return may_carry && total > 0 && largest >= 0 && size_t(largest) <= most_per_peer && sum <= total;
   }
 };
-CarryLimit carry_limit(const Pipeline& p, size_t other_most = kCarryMax);
+CarryLimit carry_limit(const Pipeline& p, size_t other_most = kCarryMax, bool routed = false);
 
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
 // parts get one more; parts are empty when chunks > n).

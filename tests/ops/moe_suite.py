@@ -36,6 +36,8 @@ CASES = {
     "all-to-rank-0": (6, 1, 8, 8, 2, 2, "rank0"),
     "all-local": (6, 0, 8, 8, 2, 2, "local"),
     "all-to-last-rank": (3, 2, 9, 7, 2, 1, "last"),
+    # 3 ranks, fp32: ~50 KiB of rows to each peer, ~100 KiB to both (carried by the per-peer limit)
+    "carried-near-limit": (150, 2, 128, 96, 2, 2, "uniform"),
     # ~5 MiB per pair in fp32 on 2-4 ranks: dispatch splits the transfers (mk: 512 KiB pieces; CPU
     # backends' alltoall_base: 4 MiB steps)
     "several-pieces": (5000, 0, 512, 16, 2, 2, "uniform"),
