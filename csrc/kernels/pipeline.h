@@ -265,11 +265,11 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other backends with
 // CPU tensors (on one host the board soon takes the agreement there, and nothing rides on it). Taken when
 // this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (by default the per-peer limit: 64 KiB, or
-// `other_most` below; R - 1 times that for `routed` ops; 0 turns it off) to all peers together, and at most that per-peer limit to each, with an
-// automatic chunk count; the op then uses it only if every rank carried its part (decided from the exchanged
-// descriptors, so alike everywhere; otherwise its usual path, and what came along is dropped). Direct sends
-// to every peer: gemm_allreduce's partial products cost (R - 1) m n per rank against a ring's 2 (R - 1) / R
-// m n, which the limit on the total keeps small.
+// `other_most` below; R - 1 times that for `routed` ops; 0 turns it off) to all peers together, and at most
+// that per-peer limit to each, with an automatic chunk count; the op then uses it only if every rank carried
+// its part (decided from the exchanged descriptors, so alike everywhere; otherwise its usual path, and what
+// came along is dropped). Direct sends to every peer: gemm_allreduce's partial products cost (R - 1) m n per
+// rank against a ring's 2 (R - 1) / R m n, which the limit on the total keeps small.
 // `routed` (the MoE ops): the direct sends are the op's own exchange (an alltoall by routing), not bytes on top
 // of a ring's, so the default total is the per-peer limit times R - 1 (2 namespace hosts x 2 ranks, mk, 1
 // Gbit/s, t=64 h=256 f=256 k=2 fp32, where ~96 KiB leave a rank: moe_combine 0.95x and 0.66x of unfused at 2
