@@ -3,10 +3,11 @@
 //
 // Elsewhere the agreement is one more exchange per op call. On Gloo an exchange of its own: an alltoall of
 // 384 B took 270-320 us on 2 ranks of this 2-core VM (its worker thread and TCP loopback), as long as a
-// 256^3 product (it is a send/recv to and from each peer now, group.h); on NCCL it would copy the descriptor to the device and back (a stream synchronisation every
-// call). On mk it is one point-to-point message to and from each peer through the shm rings (a fused call
-// after a barrier took 8.7 us median, 16.8 us p90 with them; 7.1 and 8.6 us on the board). On the board each
-// rank writes its descriptor into a small segment of its own and reads its peers'.
+// 256^3 product (it is a send/recv to and from each peer now, group.h); on NCCL it would copy the
+// descriptor to the device and back (a stream synchronisation every call). On mk it is one point-to-point
+// message to and from each peer through the shm rings (a fused call after a barrier took 8.7 us median, 16.8
+// us p90 with them; 7.1 and 8.6 us on the board). On the board each rank writes its descriptor into a small
+// segment of its own and reads its peers'.
 //
 // Each rank owns one segment: a memfd (nothing is ever left in /dev/shm), which its peers map through
 // /proc/<pid>/fd/<fd>, as the shm transport does (transport/providers/shm.cc). It holds two descriptor slots,

@@ -405,9 +405,10 @@ std::vector<std::vector<int64_t>> Agreement::result() {
 // `theirs`. A message whose announced data would not fit its receive is left out (its row stays zero: check()
 // reports a malformed descriptor).
 void Agreement::State::receive_other() {
-  const auto deadline = std::chrono::steady_clock::now() + g.timeout;
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + g.timeout;
   auto wait = [&](c10d::Work& w, const std::string& what) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     try {
       w.wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const c10::Error& e) {
@@ -422,7 +423,8 @@ void Agreement::State::receive_other() {
     return;
   }
   for (int q = 0; q < g.size; ++q)
-    if (other_recvs[size_t(q)]) wait(*other_recvs[size_t(q)], c10::str("receiving the argument descriptor of rank ", q));
+    if (other_recvs[size_t(q)])
+      wait(*other_recvs[size_t(q)], c10::str("receiving the argument descriptor of rank ", q));
   for (int q = 0; q < g.size; ++q)
     if (other_sends[size_t(q)]) wait(*other_sends[size_t(q)], c10::str("sending the argument descriptor to rank ", q));
   for (int q = 0; q < g.size; ++q) {
