@@ -22,10 +22,11 @@
 //       rank's rows of that chunk; the reduce-scatter of chunk i overlaps the products of chunk i+1.
 // The rings across hosts need blocks of at least SUPERKERNEL_OPS_RING_MIN_ROWS rows (64; m for allgather_gemm,
 // m / R for the other two): below that the ops take the collective path (one GEMM, then mk's collective).
-// Smaller still (at most SUPERKERNEL_OPS_CARRY_BYTES sent by a rank in all, 64 KiB on mk, 256 KiB on other
-// CPU backends; see CarryLimit), with an
-// automatic chunk count, the payload travels inside the argument agreement's messages (allgather_gemm its
-// shard, the other two their partial products, computed first), so the call makes one exchange, not two.
+// Smaller still (see CarryLimit: at most 64 KiB to a peer on mk, 256 KiB on other CPU backends; in all, that
+// for gemm_allreduce, whose direct sends cost more than its ring, and R - 1 times that for the other two,
+// whose direct sends are what their collective sends), with an automatic chunk count, the payload travels
+// inside the argument agreement's messages (allgather_gemm its shard, the other two their partial products,
+// computed first), so the call makes one exchange, not two.
 // The in-place paths on one host need a row to fit in a staging slot (SUPERKERNEL_SHM_CHUNK, 1 MiB); wider
 // rows use ProcessGroupMK's collectives as other backends use theirs. They save the staging copy an unfused
 // composition makes (measured on 2 ranks: see bench/README.md).
@@ -352,7 +353,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && rr.pays(m);
-  const CarryLimit cl = carry_limit(p, kCarryMaxOther);
+  const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
@@ -552,7 +553,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
   model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
-  const CarryLimit cl = carry_limit(p, kCarryMaxOther);
+  const CarryLimit cl = carry_limit(p, CarryTotal::one_peer, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc, term;  // term: this rank's product as it travels (acc, or as made when sum_here)
@@ -701,7 +702,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = rr.pays(mb);
-  const CarryLimit cl = carry_limit(p, kCarryMaxOther);
+  const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc_out, full;

@@ -725,12 +725,13 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
   return 0;
 }
 
-CarryLimit carry_limit(const Pipeline& p, size_t other_most, bool routed) {
+CarryLimit carry_limit(const Pipeline& p, CarryTotal total_rule, size_t other_most) {
   const Group& g = p.group();
   CarryLimit cl;
   cl.may_carry = g.size > 1 && (g.is_mk() ? p.over_tcp() : g.device.is_cpu());
   cl.most_per_peer = std::min(other_most, carry_max(g.is_mk()));
-  const int64_t total = int64_t(cl.most_per_peer) * (routed ? std::max(1, g.size - 1) : 1);
+  const int peers = total_rule == CarryTotal::every_peer ? std::max(1, g.size - 1) : 1;
+  const int64_t total = int64_t(cl.most_per_peer) * peers;
   if (cl.may_carry) cl.total = env_integer("SUPERKERNEL_OPS_CARRY_BYTES", total, 0, cl.problem);
   return cl;
 }

@@ -264,20 +264,29 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // 1 Gbit/s, before: 8x8x8 gemm_reducescatter 0.64x of unfused on mk, 0.41x on Gloo, where the agreement's
 // extra exchange was the difference; bench/README.md). On mk with a peer over tcp, and on other backends with
 // CPU tensors (on one host the board soon takes the agreement there, and nothing rides on it). Taken when
-// this rank sends at most SUPERKERNEL_OPS_CARRY_BYTES (by default the per-peer limit: 64 KiB, or
-// `other_most` below; R - 1 times that for `routed` ops; 0 turns it off) to all peers together, and at most
-// that per-peer limit to each, with an automatic chunk count; the op then uses it only if every rank carried
-// its part (decided from the exchanged descriptors, so alike everywhere; otherwise its usual path, and what
-// came along is dropped). Direct sends to every peer: gemm_allreduce's partial products cost (R - 1) m n per
-// rank against a ring's 2 (R - 1) / R m n, which the limit on the total keeps small.
-// `routed` (the MoE ops): the direct sends are the op's own exchange (an alltoall by routing), not bytes on top
-// of a ring's, so the default total is the per-peer limit times R - 1 (2 namespace hosts x 2 ranks, mk, 1
-// Gbit/s, t=64 h=256 f=256 k=2 fp32, where ~96 KiB leave a rank: moe_combine 0.95x and 0.66x of unfused at 2
-// and 8 experts per rank, moe_dispatch_gemm 0.93x and 0.92x, with a 64 KiB total; bench/README.md).
-// `other_most`: the most to one peer, and the default total, on other backends (the GEMM ops pass
-// kCarryMaxOther, 256 KiB: on Gloo between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went
-// from 0.33x of unfused to 1.18x and allgather_gemm from 0.83x to 1.00x; the agreement's messages then carry
-// what Gloo's own collective would have sent, one exchange instead of two).
+// this rank sends at most the per-peer limit to each peer (64 KiB, or `other_most` below) and at most
+// SUPERKERNEL_OPS_CARRY_BYTES to all together (default: see CarryTotal; 0 turns it off), with an automatic
+// chunk count; the op then uses it only if every rank carried its part (decided from the exchanged
+// descriptors, so alike everywhere; otherwise its usual path, and what came along is dropped).
+// `other_most`: the most to one peer, on other backends (the GEMM ops pass kCarryMaxOther, 256 KiB: on Gloo
+// between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went from 0.33x of unfused to 1.18x and
+// allgather_gemm from 0.83x to 1.00x; the agreement's messages then carry what Gloo's own collective would
+// have sent, one exchange instead of two).
+//
+// The default total, by what the direct sends to every peer cost against the op's unfused exchange:
+enum class CarryTotal {
+  // More: gemm_allreduce sends its whole partial product to every peer, (R - 1) m n per rank against a ring
+  // allreduce's 2 (R - 1) / R m n; the total is one peer's limit, which keeps that small.
+  one_peer,
+  // The same bytes: an allgather's shard, a reduce-scatter's blocks, a K/V gather, the MoE ops' alltoall by
+  // routing; the total is the per-peer limit times R - 1. 2 namespace hosts x 2 ranks, mk, 1 Gbit/s, with a
+  // 64 KiB total where 96-192 KiB leave a rank against R - 1 times 64 KiB (bench/README.md): t=64 h=256 f=256
+  // k=2 fp32 moe_combine 0.66-0.95x of unfused -> 1.24-1.28x, moe_dispatch_gemm 0.92-0.93x -> 1.29-1.36x;
+  // allgather_gemm 64x128x256 / 128x128x256 0.71-0.85x -> 1.02-1.07x, gemm_reducescatter 128x128x256
+  // 0.83-0.84x -> 1.04x, ring_attention s=32 0.88-0.93x -> 1.09-1.19x.
+  every_peer,
+};
+
 struct CarryLimit {
   bool may_carry = false;  // R > 1, and mk with a peer across hosts or another backend on CPU
   int64_t total = 0;       // the limit (0: off, not read, or invalid)
@@ -291,7 +300,7 @@ struct CarryLimit {
     return may_carry && total > 0 && largest >= 0 && size_t(largest) <= most_per_peer && sum <= total;
   }
 };
-CarryLimit carry_limit(const Pipeline& p, size_t other_most = kCarryMax, bool routed = false);
+CarryLimit carry_limit(const Pipeline& p, CarryTotal total, size_t other_most = kCarryMax);
 
 // [begin, end) of chunk i when n items are split into `chunks` nearly equal parts (the first n % chunks
 // parts get one more; parts are empty when chunks > n).

@@ -16,9 +16,9 @@
 // attention needs, so nothing can overlap: the op then gathers K/V with one mk allgather and makes one
 // attention call over the whole sequence (R blocks in memory, as the unfused composition has).
 // Small blocks (pipeline.h's CarryLimit: mk with a peer across hosts, or another backend on CPU; at most
-// 64 KiB of K/V sent by a rank) travel inside the argument agreement, so every rank holds every block after
-// that one exchange and makes one attention call over the whole sequence (causal: with a mask from the
-// global positions, as the unfused composition does).
+// 64 KiB of K/V, which goes to every peer, as a gather sends it) travel inside the argument agreement, so
+// every rank holds every block after that one exchange and makes one attention call over the whole sequence
+// (causal: with a mask from the global positions, as the unfused composition does).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/arange.h>
@@ -140,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     local_problem = c10::str("dtype ", q.scalar_type(), " is not supported (float32, bfloat16, float16)");
   else if (zigzag && q.size(2) % 2 != 0)
     local_problem = c10::str("zigzag layout needs an even local sequence length, got ", q.size(2));
-  const CarryLimit cl = carry_limit(p);
+  const CarryLimit cl = carry_limit(p, CarryTotal::every_peer);
   if (local_problem.empty()) local_problem = cl.problem;
   // mk across hosts, CPU: the ring needs blocks of at least SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ positions
   // (256) to pay for its per-block attention calls and merges; below it K/V is gathered after the agreement and

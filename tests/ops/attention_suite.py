@@ -32,8 +32,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (batch, query heads, kv heads, local sequence, head_dim); the last one's packed K/V is 128 KiB a rank in
-# float32 and 64 KiB in the half types: above the 64 KiB carry rule (the half types from 3 ranks on), so
-# across hosts it is gathered after the agreement instead
+# float32, above the 64 KiB carry rule, so across hosts it is gathered after the agreement instead, and 64 KiB
+# in the half types: carried (from 3 ranks on, more than 64 KiB in all)
 SHAPES = [(1, 1, 1, 1, 4), (2, 4, 2, 5, 8), (1, 6, 2, 7, 16), (2, 3, 1, 13, 5), (1, 4, 4, 6, 8), (1, 2, 1, 10, 3),
           (1, 4, 4, 32, 128)]
 

@@ -140,6 +140,13 @@ def run_ops(large: bool) -> None:
               lambda: gemm_reducescatter_case(256, 5, 1024, dtype, chunks))
     # a product above mk's 64 KiB carry limit, within the 256 KiB the GEMM ops carry on other backends
     check("gemm_allreduce", "m=96 k=8 n=256 float32 chunks=0", lambda: gemm_allreduce_case(96, 8, 256, torch.float32, 0))
+    # 48 KiB to each peer: from 3 ranks on more than 64 KiB in all, which allgather_gemm and gemm_reducescatter
+    # carry across hosts and gemm_allreduce does not (pipeline.h's CarryTotal)
+    check("allgather_gemm", "m=96 k=128 n=24 float32 chunks=0",
+          lambda: allgather_gemm_case(96, 128, 24, torch.float32, 0, False))
+    check("gemm_allreduce", "m=96 k=8 n=128 float32 chunks=0", lambda: gemm_allreduce_case(96, 8, 128, torch.float32, 0))
+    check("gemm_reducescatter", "mb=96 k=8 n=128 float32 chunks=0",
+          lambda: gemm_reducescatter_case(96, 8, 128, torch.float32, 0))
     # empty results: m = 0, and k = 0 on rank 0 (k sharded unevenly)
     check("empty", "allgather_gemm m=0", lambda: allgather_gemm_case(0, 4, 3, torch.float32, 0, True))
     check("empty", "gemm_allreduce m=0", lambda: gemm_allreduce_case(0, 4, 3, torch.float32, 0))

@@ -77,17 +77,18 @@ GLOO_GEMM_CARRY_BYTES = 256 << 10  # kCarryMaxOther: the GEMM ops' carry limit o
 
 
 def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
-               carry_bytes: int = 0, gloo: bool = False) -> list[tuple[str, int, int, str, str]]:
-    """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, the path it took,
-    the path it should have), a path being "carried", "ring" or "collective". With a peer over TCP:
-    carried when the chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its
-    shard, m k elements; gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n;
-    a product's element as ``product_bytes``) are at most 64 KiB and, times R - 1, at most ``carry_bytes``
-    (SUPERKERNEL_OPS_CARRY_BYTES); else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows
-    (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default), gemm_allreduce's when moreover R divides m (m > 0),
-    allgather_gemm's shard has ``min_rows`` rows. With every peer on this host: the collective paths.
-    ``gloo``: the rules on Gloo with CPU tensors (and the board off): carried as over TCP but with 256 KiB to
-    a peer, otherwise the collective path (no rings)."""
+               carry: bool = False, gloo: bool = False) -> list[tuple[str, int, int, str, str, int]]:
+    """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, the path it took, the path it
+    should have, the bytes it sends each peer when carried), a path being "carried", "ring" or "collective". With a
+    peer over TCP: with ``carry`` (SUPERKERNEL_OPS_CARRY_BYTES unset; without it, carrying is off), carried when the
+    chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its shard, m k elements;
+    gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n; a product's element as
+    ``product_bytes``) are at most 64 KiB, and for gemm_allreduce also times R - 1 (its direct sends cost more than
+    its ring; the other two send what their collective sends, pipeline.h's CarryTotal); else a ring when
+    gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default),
+    gemm_allreduce's when moreover R divides m (m > 0), allgather_gemm's shard has ``min_rows`` rows. With every peer
+    on this host: the collective paths. ``gloo``: the rules on Gloo with CPU tensors (and the board off): carried as
+    over TCP but with 256 KiB to a peer, otherwise the collective path (no rings)."""
     calls = []
     stderr = without_rule_changes(stderr)
     traced = re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.*$", stderr,
@@ -106,12 +107,13 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
             want_ring = m > 0 and m % world == 0 and m // world >= min_rows
             per_peer = m * n * product_bytes(dtype)
         most = GLOO_GEMM_CARRY_BYTES if gloo else CARRY_BYTES
-        want_carried = (world > 1 and chunks == "automatic" and 0 < per_peer <= most
-                        and (world - 1) * per_peer <= carry_bytes)
+        total = most if op == "gemm_allreduce" else (world - 1) * most
+        want_carried = (carry and world > 1 and chunks == "automatic" and 0 < per_peer <= most
+                        and (world - 1) * per_peer <= total)
         took = "carried" if carried else "ring" if ring == "1" else "collective"
         if gloo:
             want = "carried" if want_carried else "collective"
         else:
             want = "carried" if over_tcp and want_carried else "ring" if over_tcp and want_ring else "collective"
-        calls.append((op, int(rank), m, took, want))
+        calls.append((op, int(rank), m, took, want, per_peer))
     return calls

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.ops.ops_world import (CARRY_BYTES, GLOO_GEMM_CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES,
+from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES,
                                  WorldCache, failures_of, gemm_paths)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
@@ -142,7 +142,7 @@ def test_ring_paths(world: int, transport: str) -> None:
             if auto and transport != "tcp":
                 assert auto.group(1) == "1", f"rank {res.rank}: automatic chunk count on one host: {line}"
                 seen[("automatic", False)] = seen.get(("automatic", False), 0) + 1
-        for op, rank, m, took, want in gemm_paths(res.stderr, world, transport == "tcp", min_rows=1):
+        for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, world, transport == "tcp", min_rows=1):
             assert took == want, f"rank {rank}: {op} m={m} over {transport}: {took}, not {want}"
             seen[(op, want == "ring")] = seen.get((op, want == "ring"), 0) + 1
     if transport == "tcp":
@@ -161,7 +161,7 @@ def test_ring_rows_threshold(world: int) -> None:
     results = _ring_rule.results(world, "tcp", [])
     seen: dict[tuple[str, bool], int] = {}
     for res in results:
-        for op, rank, m, took, want in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64):
+        for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64):
             assert took == want, f"rank {rank}: {op} m={m}: {took}, not {want}, with 64-row blocks the threshold"
             seen[(op, took == "ring")] = seen.get((op, took == "ring"), 0) + 1
     for op in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
@@ -176,20 +176,29 @@ def test_ring_rows_threshold(world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_small_calls_carried(world: int) -> None:
-    """Across hosts (tcp) with the default rules, a call whose payload is small (at most 64 KiB sent by each
-    rank in all) and whose chunk count is automatic carries it inside the argument agreement: one exchange
-    instead of two. Every traced call takes the path the rules give (carried, ring or collective); the carried
-    results match the float64 reference, are the same bytes on every rank, and the mismatch errors are still
-    raised on every rank with the group usable after them."""
+    """Across hosts (tcp) with the default rules, a call whose payload is small (at most 64 KiB sent to each
+    peer; gemm_allreduce, whose direct sends cost more than its ring, at most 64 KiB in all) and whose chunk
+    count is automatic carries it inside the argument agreement: one exchange instead of two. Every traced
+    call takes the path the rules give (carried, ring or collective); from 3 ranks on, some allgather_gemm and
+    gemm_reducescatter calls carry more than 64 KiB in all. The carried results match the float64 reference,
+    are the same bytes on every rank, and the mismatch errors are still raised on every rank with the group
+    usable after them."""
     results = _default_rules.results(world, "tcp", ["--errors"])
     seen: dict[tuple[str, str], int] = {}
+    # (op, path) of the calls within 64 KiB to each peer but above it in all (took == want checks their rule)
+    above_one_peer: set[tuple[str, str]] = set()
     for res in results:
-        for op, rank, m, took, want in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
-                                                  carry_bytes=CARRY_BYTES):
+        for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
+                                                            carry=True):
             assert took == want, f"rank {rank}: {op} m={m}: {took}, not {want}"
             seen[(op, took)] = seen.get((op, took), 0) + 1
+            if per_peer <= CARRY_BYTES < (world - 1) * per_peer:
+                above_one_peer.add((op, took))
     for op in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
         assert seen.get((op, "carried")) and seen.get((op, "collective")), seen
+    if world > 2:  # the suite's 48 KiB per peer calls
+        want = {("allgather_gemm", "carried"), ("gemm_reducescatter", "carried"), ("gemm_allreduce", "collective")}
+        assert want <= above_one_peer, above_one_peer
     reps = [r.report() for r in results]
     for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "grad", "empty", "errors"):
         problems = failures_of(reps, family)
@@ -202,18 +211,18 @@ def test_small_calls_carried(world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_small_calls_carried(world: int) -> None:
-    """On Gloo the agreement's messages are the backend's send/recv, each receive posted 256 KiB past the
-    descriptor, so every call under the GEMM ops' rule there (an automatic chunk count, at most 256 KiB to a
-    peer and in all) carries its payload, from its first call and whatever earlier calls sent; every other
-    call takes the collective path. Some carried calls are above mk's 64 KiB; results match the float64
-    reference, are the same bytes on every rank, and the errors are raised on every rank with the group
-    usable after them."""
+    """On Gloo the agreement's messages are the backend's send/recv, each receive posted 256 KiB past the descriptor,
+    so every call under the GEMM ops' rule there (an automatic chunk count, at most 256 KiB to a peer, and
+    gemm_allreduce at most that in all) carries its payload, from its first call and whatever earlier calls sent;
+    every other call takes the collective path. Some carried calls are above mk's 64 KiB; results match the float64
+    reference, are the same bytes on every rank, and the errors are raised on every rank with the group usable after
+    them."""
     results = _gloo_carry.results(world, "gloo", ["--errors"])
     carried: dict[str, int] = {}
     above_mk = 0
     for res in results:
-        for op, rank, m, took, want in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
-                                                  carry_bytes=GLOO_GEMM_CARRY_BYTES, gloo=True):
+        for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
+                                                            carry=True, gloo=True):
             assert took == want, f"rank {rank}: {op} m={m} on Gloo: {took}, not {want}"
             if took == "carried":
                 carried[op] = carried.get(op, 0) + 1
