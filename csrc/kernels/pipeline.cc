@@ -757,6 +757,11 @@ at::ScalarType accumulate_type(at::ScalarType t) {
 
 bool native_half_gemm(at::ScalarType t, const c10::Device& device) {
   if (!device.is_cpu() || (t != at::kBFloat16 && t != at::kHalf)) return false;
+  static const bool widen = [] {
+    const char* v = std::getenv("SUPERKERNEL_OPS_WIDEN_HALF");
+    return v && std::string(v) == "1";
+  }();
+  if (widen) return false;
   // ATen registers oneDNN's device checks as ops (absent from a build without oneDNN: then false).
   auto supported = [](const char* name) {
     auto op = c10::Dispatcher::singleton().findSchema({name, ""});

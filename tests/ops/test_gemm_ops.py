@@ -25,6 +25,8 @@ _default_rules = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_
 # (Gloo agrees through its shared-memory board from the third call on one host: off, so every agreement is the
 # allgather that carries)
 _gloo_carry = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_BOARD": "0"})
+# half types multiplied on operands widened to fp32 (the path of processors without oneDNN bf16/fp16)
+_widened = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_WIDEN_HALF": "1"})
 
 
 def args_for(world: int, transport: str) -> list[str]:
@@ -49,6 +51,21 @@ def test_matches_float64_reference(world: int, transport: str, family: str) -> N
     reps = reports(world, transport)
     problems = failures_of(reps, family)
     assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "tcp"), (2, "gloo")],
+                         ids=["2ranks-shm", "3ranks-tcp", "2ranks-gloo"])
+def test_widened_half_types_match_float64(world: int, transport: str) -> None:
+    """With SUPERKERNEL_OPS_WIDEN_HALF=1 the ops multiply bfloat16 and float16 on operands widened to fp32, as on
+    a processor without oneDNN support for them (this one may have it): every op, dtype and gradient of the suite
+    still matches the float64 reference, and the results are the same bytes on every rank."""
+    reps = _widened.reports(world, transport, ["--large"] if transport == "shm" else [])
+    for family in OPS:
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
+    for rep in reps[1:]:
+        differ = [k for k, v in reps[0]["digests"].items() if rep["digests"].get(k) != v]
+        assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
 
 
 @pytest.mark.parametrize("world,transport", WORLDS, ids=IDS)
@@ -109,13 +126,14 @@ def test_own_failure_mid_op_ends_every_rank() -> None:
     from tests.transport.world import run_world
 
     # The failing allocation is the widening of a chunk of a, made for a half type that oneDNN cannot
-    # multiply on this processor (the ops multiply the others as they are).
+    # multiply on this processor (the ops multiply the others as they are), or that the ops are told to widen.
     widened = [name for name, fast in (("float16", torch.ops.mkldnn._is_mkldnn_fp16_supported()),
                                        ("bfloat16", torch.ops.mkldnn._is_mkldnn_bf16_supported())) if not fast]
+    env = {"SUPERKERNEL_OPS_TRACE": "1"}
     if not widened:
-        pytest.skip("this processor multiplies float16 and bfloat16 without widening: nothing to fail mid-op")
+        widened, env["SUPERKERNEL_OPS_WIDEN_HALF"] = ["float16"], "1"
     results = run_world(2, str(HERE / "gemm_stuck.py"), ["--mode", "oom", "--dtype", widened[0]], timeout=120,
-                        env={"SUPERKERNEL_OPS_TRACE": "1"})
+                        env=env)
     reps = {r.rank: r.report() for r in results}
     assert "in place" in results[1].stderr, results[1].stderr[-2000:]
     failed, peer = reps[1], reps[0]
