@@ -7,7 +7,8 @@ A :class:`Pool` owns the kernel end of the channels and one dispatcher thread wh
 * watches processes: the launcher (our child) and, for a local pool, every worker pid, so a rank that
   dies is reported within a few hundred milliseconds with its signal or exit code (read from the
   launcher's own failure report: torchrun's ``failed (exitcode: -9) local_rank: 1 (pid: ...)`` or
-  mpirun's ``... exited on signal 9``); for remote ranks a missing heartbeat does the same, more slowly;
+  mpirun's ``... exited on signal 9``, which Open MPI prints only after its 1 s sigkill timeout, so an
+  mpirun pool's report takes about a second); for remote ranks a missing heartbeat does the same, more slowly;
 * calls the listener's ``on_tick`` every few tens of milliseconds (live output merging).
 
 Workers run in their own sessions (torchrun does that; plain workers get ``start_new_session``), so a
@@ -134,6 +135,12 @@ _TORCHRUN_SIGNAL = re.compile(r"Signal (\d+) \(\w+\) received by PID (\d+)")
 _MPI_SIGNAL = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited on\s+signal (\d+)")
 _SRUN_FAIL = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (Killed|Terminated|Exited with exit code (\d+))")
 _MPI_EXIT = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited .*?status (\d+)", re.S)
+# mpirun's first words when a rank fails; the line naming the rank and its signal follows once the
+# other ranks are gone, after Open MPI's odls_base_sigkill_timeout (1 s by default)
+_MPI_ABORTING = re.compile(r"Primary job\s+terminated normally, but \d+ process(es)? returned|"
+                           r"the job has been aborted")
+# how long to wait for the launcher to say how a rank ended: 1.2 s, or this once mpirun is aborting
+MPI_REPORT_WAIT = 2.5
 
 
 class Pool:
@@ -153,6 +160,7 @@ class Pool:
         self._exit_codes: dict[int, int] = {}   # pid -> exit code, from the launcher's report
         self._root_cause_pid: int | None = None
         self._rank_exit_codes: dict[int, int] = {}  # rank -> exit code (mpirun reports ranks, often PID 0)
+        self._launcher_aborting = False  # mpirun announced a failed rank; its report is on the way
         self._stop = threading.Event()
         self._closing = False
         self._lock = threading.Lock()
@@ -328,6 +336,8 @@ class Pool:
             m = _TORCHRUN_SIGNAL.search(line)
             if m:
                 self._exit_codes.setdefault(int(m.group(2)), -int(m.group(1)))
+            if _MPI_ABORTING.search(line):
+                self._launcher_aborting = True
             m = _MPI_SIGNAL.search(line)
             if m:
                 self._rank_exit_codes[int(m.group(1))] = -int(m.group(3))
@@ -414,11 +424,16 @@ class Pool:
                 gone.append(info)
         if not gone:
             return
-        # give the launcher a moment to report how the rank(s) ended
-        deadline = time.monotonic() + 1.2
-        while time.monotonic() < deadline and any(self._known_code(g) is None for g in gone):
-            code = self._plain_exit_code(gone)
-            if code:
+        # give the launcher a moment to report how the rank(s) ended; longer once mpirun said it is aborting
+        start = time.monotonic()
+        while any(self._known_code(g) is None for g in gone):
+            if self._plain_exit_code(gone):
+                break
+            waited = time.monotonic() - start
+            if waited >= (MPI_REPORT_WAIT if self._launcher_aborting else 1.2):
+                break
+            if self._launcher_aborting and all(p.poll() is not None for p in self._procs):
+                time.sleep(0.1)  # the launcher is gone: let the reader thread take its last lines
                 break
             time.sleep(0.02)
         self._plain_exit_code(gone)

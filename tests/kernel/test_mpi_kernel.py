@@ -5,12 +5,17 @@ import os
 import re
 import shutil
 import signal
+import stat
+import sys
+import threading
 import time
 
 import psutil
 import pytest
 
 from conftest import KernelSession
+from superkernel.pool import Death, Pool, PoolSpec
+from superkernel.protocol import Event
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
 
@@ -50,3 +55,61 @@ def test_mpi_pool(kernel_prefix):
     while mpi_processes(before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not mpi_processes(before), [p.info["cmdline"] for p in mpi_processes(before)]
+
+
+class Deaths:
+    """A pool listener that only records deaths."""
+
+    def __init__(self) -> None:
+        self.deaths: list[Death] = []
+        self.reported = threading.Event()
+
+    def on_event(self, event: Event) -> None:
+        pass
+
+    def on_death(self, deaths: list[Death]) -> None:
+        self.deaths.extend(deaths)
+        self.reported.set()
+
+    def on_tick(self) -> None:
+        pass
+
+
+# mpirun, but every line naming a dead rank's signal comes 0.8 s late, as on a loaded machine: Open MPI
+# prints it after its 1 s odls_base_sigkill_timeout, so it now lands ~1.8 s after the kill
+SLOW_MPIRUN = """#!/bin/sh
+{real} "$@" 2>&1 | {python} -u -c '
+import sys, time
+for line in sys.stdin:
+    if "exited on signal" in line:
+        time.sleep(0.8)
+    sys.stdout.write(line)
+    sys.stdout.flush()
+'
+"""
+
+
+def test_late_mpirun_report_still_names_the_signal(tmp_path, monkeypatch):
+    """A rank killed under mpirun is reported with its signal even when mpirun's line naming it comes after
+    the first 1.2 s (its "the job has been aborted" block arrived at once; the kernel waits for the rest)."""
+    real = shutil.which("mpirun")
+    wrapper = tmp_path / "mpirun"
+    wrapper.write_text(SLOW_MPIRUN.format(real=real, python=sys.executable))
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    listener = Deaths()
+    pool = Pool(PoolSpec(flavor="mpi", nranks=2), listener)
+    try:
+        pool.start()
+        pool.wait_ready(timeout=120)
+        victim = pool.ranks[1].pid
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        assert listener.reported.wait(10), "no death reported"
+        elapsed = time.monotonic() - t0
+        first = listener.deaths[0]
+        assert first.rank == 1 and first.pid == victim, [d.describe() for d in listener.deaths]
+        assert "SIGKILL" in first.describe(), (first.describe(), pool.launcher_tail())
+        assert 1.5 < elapsed < 3.0, elapsed  # it did wait for the late line, and not much longer
+    finally:
+        pool.close()
