@@ -131,6 +131,10 @@ void sum_in_rank_order(at::Tensor& acc, int R, Part part) {
 // are summed here in fp32, in rank order: gemm_reducescatter sends each rank its block by alltoall ((R - 1)
 // blocks either way, in half the bytes), gemm_allreduce gathers every rank's product ((R - 1) m n half
 // elements against a ring's 2 (R - 1) / R m n fp32 ones: no more up to 4 ranks, `most_ranks`).
+// In a cluster whose processors differ (oneDNN bf16/fp16 on some hosts, operands widened on others, or
+// SUPERKERNEL_OPS_WIDEN_HALF set on some ranks), a rank that widens makes fp32 products and runs the collective
+// on them: the agreement carries every rank's choice ("sums_here"), and if any rank does not sum here, none
+// does (an alltoall/allgather on some ranks against a reduce-scatter/allreduce on others would hang).
 bool sums_here(const Group& g, at::ScalarType acc_t, at::ScalarType made_t, int most_ranks = 1 << 30) {
   return !g.is_mk() && g.device.is_cpu() && made_t != acc_t && g.size > 1 && g.size <= most_ranks;
 }
@@ -189,6 +193,12 @@ class GemmAgreement {
     for (const auto& r : all_) v = std::max(v, r.at(i));
     return v;
   }
+  // After chunks(): the smallest value any rank passed for extra field j.
+  int64_t extra_min(size_t j) const {
+    int64_t v = all_.at(0).at(kFirstExtra + j);
+    for (const auto& r : all_) v = std::min(v, r.at(kFirstExtra + j));
+    return v;
+  }
   int64_t chunks() {
     all_ = agreement_->result();
     const int64_t C = all_[0].back();
@@ -219,6 +229,7 @@ class GemmAgreement {
   }
 
  private:
+  static constexpr size_t kFirstExtra = 4;  // after m, k, n and dtype
   Pipeline& p_;
   at::ScalarType dtype_;
   const char* k_name_;
@@ -540,7 +551,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const int64_t m = dim_or(a_in, 0), k = dim_or(a_in, 1), n = dim_or(b_in, 1);
   const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
   const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
-  const bool sum_here = sums_here(g, acc_t, made_t, /*most_ranks=*/4);
+  bool sum_here = sums_here(g, acc_t, made_t, /*most_ranks=*/4);  // (until a rank that makes fp32 says no)
   ChunkModel model;  // (bytes sent by a rank: a ring allreduce's, or the gathered products' when sum_here)
   model.comm_bytes = double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) *
                      (sum_here ? double(g.size - 1) * c10::elementSize(made_t) : 2.0 * c10::elementSize(acc_t));
@@ -579,8 +590,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     carried.bytes = size_t(own.nbytes());
     carried.data = [&own](int) { return own.data_ptr(); };
   }
-  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
-                   std::move(carried));
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
+                   {{"ring", int64_t(ring), true}, {"sums_here", int64_t(sum_here), false}}, std::move(carried));
   // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
@@ -596,6 +607,11 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     p.publish(term);
   }
   const int64_t C = ga.chunks();
+  if (sum_here && !ga.extra_min(1)) {  // a rank made fp32 products (see sums_here): every rank allreduces fp32
+    sum_here = false;
+    if (term.defined() && !term.is_same(acc)) acc.copy_(term);
+    term = acc;
+  }
   if (ga.carried()) {  // every rank's product came with the agreement: summed in rank order, alike everywhere
     at::Tensor sum = at::empty({m, n}, acc.options());
     sum_in_rank_order(sum, R, [&](int q) {
@@ -689,8 +705,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
   const int64_t mb = m >= 0 ? m / R : 0;
   const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
-  const bool sum_here = sums_here(g, acc_t, made_t);
-  const at::ScalarType stage_t = sum_here ? made_t : acc_t;  // what the partial sums travel as
+  bool sum_here = sums_here(g, acc_t, made_t);  // (until a rank that makes fp32 says no)
+  at::ScalarType stage_t = sum_here ? made_t : acc_t;  // what the partial sums travel as
   ChunkModel model;
   model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(stage_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
@@ -725,8 +741,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     carried.bytes = size_t(block_bytes);
     carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };
   }
-  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err, {{"ring", int64_t(ring), true}},
-                   std::move(carried));
+  GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
+                   {{"ring", int64_t(ring), true}, {"sums_here", int64_t(sum_here), false}}, std::move(carried));
   // mk on one host: each block's products are written straight into the shm staging slots (no copy in),
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
@@ -749,7 +765,12 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     });
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
-  if (offer && full.scalar_type() != stage_t) full = full.to(stage_t);  // offered but not carried: widened
+  if (sum_here && !ga.extra_min(1)) {  // a rank made fp32 products (see sums_here): reduce-scatter fp32
+    sum_here = false;
+    stage_t = acc_t;
+  }
+  // offered but not carried, or made early for the alltoall where a reduce-scatter won: widened
+  if (full.defined() && full.scalar_type() != stage_t) full = full.to(stage_t);
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
   // (a chunk of every row is one GEMM into the slot, else one per block)
   const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;

@@ -314,8 +314,8 @@ at::ScalarType accumulate_type(at::ScalarType t);
 // oneDNN's support for the type on this processor: the other CPU GEMM of half types is a plain loop (fp16 on
 // this 2-core AVX-512 VM, no AVX512-FP16: 1024^3 takes 2.2 s against 27 ms widened; bf16 with AVX512-BF16:
 // 11 ms against 25 ms widened). Elsewhere false (cuBLAS may reduce fp16 in fp16). Decided once per process.
-// SUPERKERNEL_OPS_WIDEN_HALF=1 widens on every processor (how the tests run that path on one with both;
-// every rank must set it alike: gemm_allreduce and gemm_reducescatter send products in the type made).
+// SUPERKERNEL_OPS_WIDEN_HALF=1 widens on every processor (how the tests run that path on one with both; ranks
+// may differ in it as hosts differ in oneDNN support: see sums_here in gemm_collectives.cc).
 bool native_half_gemm(at::ScalarType t, const c10::Device& device);
 
 // A [rows, cols] buffer for an intermediate that does not outlive the op call (never returned): on CPU, up

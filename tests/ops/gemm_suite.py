@@ -4,7 +4,10 @@ and several chunk counts; gradients against float64 autograd of the whole sum of
 torch.compile(fullgraph=True) trace. Prints one REPORT line: failures per family, result digests (the test
 compares them across ranks), and timings.
 
-    python gemm_suite.py [--backend mk|gloo] [--errors] [--opcheck] [--compile] [--large]
+    python gemm_suite.py [--backend mk|gloo] [--errors] [--opcheck] [--compile] [--large] [--widen-half-on R,...]
+
+--widen-half-on sets SUPERKERNEL_OPS_WIDEN_HALF=1 on the ranks listed only, as in a cluster whose processors
+differ in oneDNN bf16/fp16 support (the ops read it at their first half-type call).
 """
 from __future__ import annotations
 
@@ -429,7 +432,10 @@ def main() -> None:
     ap.add_argument("--opcheck", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--large", action="store_true")
+    ap.add_argument("--widen-half-on", default="", help="comma-separated ranks that widen half types")
     args = ap.parse_args()
+    if args.widen_half_on and int(os.environ["RANK"]) in {int(r) for r in args.widen_half_on.split(",")}:
+        os.environ["SUPERKERNEL_OPS_WIDEN_HALF"] = "1"
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()

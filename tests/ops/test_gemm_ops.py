@@ -29,6 +29,10 @@ _gloo_carry = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRA
 _widened = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_WIDEN_HALF": "1"})
 
 
+# rank 1 alone widens, as one host of a cluster whose processors differ in oneDNN bf16/fp16 support
+_mixed = WorldCache("gemm_suite.py", timeout=300)
+
+
 def args_for(world: int, transport: str) -> list[str]:
     args = ["--errors"]
     if world <= 2 and transport in ("auto", "shm"):
@@ -65,6 +69,28 @@ def test_widened_half_types_match_float64(world: int, transport: str) -> None:
         assert not problems, "\n".join(problems[:20])
     for rep in reps[1:]:
         differ = [k for k, v in reps[0]["digests"].items() if rep["digests"].get(k) != v]
+        assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
+
+
+@pytest.mark.skipif(not (torch.ops.mkldnn._is_mkldnn_bf16_supported() or torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+                    reason="this processor widens bfloat16 and float16 anyway: every rank would multiply alike")
+@pytest.mark.parametrize("world,transport", [(2, "gloo"), (3, "gloo"), (3, "tcp")],
+                         ids=["2ranks-gloo", "3ranks-gloo", "3ranks-tcp"])
+def test_ranks_that_multiply_half_types_differently(world: int, transport: str) -> None:
+    """A cluster whose processors differ: rank 1 widens bf16/fp16 to fp32 (SUPERKERNEL_OPS_WIDEN_HALF=1 there
+    only) while the others multiply them with oneDNN, so its partial products are fp32 and theirs the half type.
+    Every op, dtype, chunk count and gradient of the suite still matches float64 (carried, collective, and
+    Gloo's own-summing paths), and gemm_allreduce's sums are the same bytes on every rank. (allgather_gemm's
+    products are each rank's own, made by its own processor: a half-type product rounds alike but accumulates
+    in another order, as the unfused matmul on those processors would.)"""
+    reps = _mixed.reports(world, transport, ["--widen-half-on", "1"])
+    for family in OPS:
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
+    sums = [k for k in reps[0]["digests"] if k.startswith("ar/")]
+    assert any("torch.bfloat16" in k for k in sums) and any("torch.float16" in k for k in sums), sums[:5]
+    for rep in reps[1:]:
+        differ = [k for k in sums if rep["digests"].get(k) != reps[0]["digests"][k]]
         assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
 
 
