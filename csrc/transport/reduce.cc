@@ -1,5 +1,7 @@
 #include "transport/reduce.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -34,6 +36,41 @@ inline uint16_t f32_to_f16(float f) {
   uint16_t h;
   std::memcpy(&h, &v, 2);
   return h;
+}
+
+// fp16 <-> fp32 in bulk with F16C (vcvtph2ps / vcvtps2ph, 8 at a time, round to nearest even as the
+// _Float16 conversion; every x86-64 since 2013). The element-by-element loop through _Float16 is not
+// vectorised: mk's allreduce of 1 Mi fp16 elements on 2 ranks, one host, took 8.7 ms against 1.2 ms for bf16.
+bool has_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+__attribute__((target("avx,f16c"))) void f16_to_f32_f16c(const uint16_t* s, float* d, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  for (; i < n; ++i) d[i] = _cvtsh_ss(s[i]);
+}
+__attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* s, uint16_t* d, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) d[i] = _cvtss_sh(s[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+template <bool BF16>
+inline void half_to_f32(const uint16_t* s, float* d, size_t n, bool f16c) {
+  if constexpr (!BF16) {
+    if (f16c) return f16_to_f32_f16c(s, d, n);
+  }
+  for (size_t i = 0; i < n; ++i) d[i] = BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+}
+template <bool BF16>
+inline void f32_to_half(const float* s, uint16_t* d, size_t n, bool f16c) {
+  if constexpr (!BF16) {
+    if (f16c) return f32_to_f16_f16c(s, d, n);
+  }
+  for (size_t i = 0; i < n; ++i) d[i] = BF16 ? f32_to_bf16(s[i]) : f32_to_f16(s[i]);
 }
 
 template <typename T, typename Acc>
@@ -90,16 +127,15 @@ __attribute__((target_clones("arch=haswell", "default"))) void reduce_half(
     uint16_t* out, const void* const* srcs, int nsrc, size_t count) {
   float acc[kBlock];
   float tmp[kBlock];
+  const bool f16c = has_f16c();
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t n = std::min(kBlock, count - base);
-    const uint16_t* s0 = static_cast<const uint16_t*>(srcs[0]) + base;
-    for (size_t i = 0; i < n; ++i) acc[i] = BF16 ? bf16_to_f32(s0[i]) : f16_to_f32(s0[i]);
+    half_to_f32<BF16>(static_cast<const uint16_t*>(srcs[0]) + base, acc, n, f16c);
     for (int j = 1; j < nsrc; ++j) {
-      const uint16_t* s = static_cast<const uint16_t*>(srcs[j]) + base;
-      for (size_t i = 0; i < n; ++i) tmp[i] = BF16 ? bf16_to_f32(s[i]) : f16_to_f32(s[i]);
+      half_to_f32<BF16>(static_cast<const uint16_t*>(srcs[j]) + base, tmp, n, f16c);
       combine<float, OP>(acc, tmp, n);
     }
-    for (size_t i = 0; i < n; ++i) out[base + i] = BF16 ? f32_to_bf16(acc[i]) : f32_to_f16(acc[i]);
+    f32_to_half<BF16>(acc, out + base, n, f16c);
   }
 }
 
@@ -255,17 +291,17 @@ void finish_avg(void* buf, size_t count, DType t, int n) {
 void to_f32(float* out, const void* in, size_t count, DType t) {
   const uint16_t* p = static_cast<const uint16_t*>(in);
   if (t == DType::bf16)
-    for (size_t i = 0; i < count; ++i) out[i] = bf16_to_f32(p[i]);
+    half_to_f32<true>(p, out, count, false);
   else
-    for (size_t i = 0; i < count; ++i) out[i] = f16_to_f32(p[i]);
+    half_to_f32<false>(p, out, count, has_f16c());
 }
 
 void from_f32(void* out, const float* in, size_t count, DType t) {
   uint16_t* p = static_cast<uint16_t*>(out);
   if (t == DType::bf16)
-    for (size_t i = 0; i < count; ++i) p[i] = f32_to_bf16(in[i]);
+    f32_to_half<true>(in, p, count, false);
   else
-    for (size_t i = 0; i < count; ++i) p[i] = f32_to_f16(in[i]);
+    f32_to_half<false>(in, p, count, has_f16c());
 }
 
 }  // namespace mk

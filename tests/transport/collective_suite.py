@@ -125,13 +125,36 @@ def run(large: bool) -> None:
     # all_reduce: every dtype, every op, in-place on a fresh tensor
     for dtype in ALL:
         for op in reduce_ops_for(dtype):
-            for n in sizes + (big if (op == "SUM" and dtype in (torch.float32, torch.bfloat16)) else []):
+            for n in sizes + (big if (op == "SUM" and dtype in (torch.float32, torch.bfloat16, torch.float16)) else []):
                 def f(dtype=dtype, op=op, n=n):
                     key = f"ar{op}"
                     t = gen(rank, key, n, dtype, op)
                     dist.all_reduce(t, op=OPS[op])
                     return same(t, reference([gen(r, key, n, dtype, op) for r in range(world)], op, dtype), dtype)
                 check("all_reduce", f"{dtype}/{op}/{n}", f)
+    # half-type sums round once, to nearest even, as torch rounds the fp32 sum: every fp16/bf16 bit pattern
+    # (infinities, NaNs, subnormals, sums that overflow), over lengths that leave vector tails (2 ranks: the
+    # fp32 sum of two half values is exact, so the result is one rounding of it, whatever the order)
+    if world == 2:
+        for dtype in (torch.float16, torch.bfloat16):
+            for n in (65_536 + 13, 1_000_003):
+                def f(dtype=dtype, n=n):
+                    def bits(r: int) -> torch.Tensor:
+                        g = torch.Generator().manual_seed(zlib.crc32(f"exact/{r}/{n}/{dtype}".encode()))
+                        return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int16).view(dtype)
+                    t = bits(rank).clone()
+                    dist.all_reduce(t)
+                    want = (bits(0).float() + bits(1).float()).to(dtype)
+                    nan = want.isnan()
+                    if not torch.equal(t.isnan(), nan):
+                        return f"NaN where the fp32 sum is not, or the reverse: {int((t.isnan() != nan).sum())}"
+                    bad = (t.view(torch.int16) != want.view(torch.int16)) & ~nan
+                    if bad.any():
+                        i = int(bad.nonzero()[0][0])
+                        return (f"{int(bad.sum())} sums not rounded as torch rounds: at {i} "
+                                f"{float(bits(0)[i])} + {float(bits(1)[i])} gave {float(t[i])}, want {float(want[i])}")
+                    return ""
+                check("all_reduce", f"{dtype}/SUM/{n}/every bit pattern", f)
     # reduce: result at each root, other ranks untouched
     for dtype in [torch.float32, torch.bfloat16, torch.int32, torch.uint8]:
         for root in range(world):
