@@ -133,8 +133,8 @@ void sum_in_rank_order(at::Tensor& acc, int R, Part part) {
 // elements against a ring's 2 (R - 1) / R m n fp32 ones: no more up to 4 ranks, `most_ranks`).
 // In a cluster whose processors differ (oneDNN bf16/fp16 on some hosts, operands widened on others, or
 // SUPERKERNEL_OPS_WIDEN_HALF set on some ranks), a rank that widens makes fp32 products and runs the collective
-// on them: the agreement carries every rank's choice ("sums_here"), and if any rank does not sum here, none
-// does (an alltoall/allgather on some ranks against a reduce-scatter/allreduce on others would hang).
+// on them: the agreement carries every rank's product type ("half_products"), and if any rank does not sum
+// here, none does (an alltoall/allgather on some ranks against a reduce-scatter/allreduce on others would hang).
 bool sums_here(const Group& g, at::ScalarType acc_t, at::ScalarType made_t, int most_ranks = 1 << 30) {
   return !g.is_mk() && g.device.is_cpu() && made_t != acc_t && g.size > 1 && g.size <= most_ranks;
 }
@@ -332,12 +332,17 @@ size_t in_place_rows(Pipeline& p, int64_t rows, size_t row_bytes, size_t slot_pi
 // k, allgather_gemm's n) must be the agreed maxima, so every rank decides alike. Measured on 2 ranks, one
 // host (2026-11-25, in place at every size): gemm_reducescatter 1024x128x1024 (G = 8) 1.11x of unfused, but
 // 1024^3 (G = 8) 0.92x and 2048x512x2048 (G = 32) 0.86x; gemm_allreduce 2048x512x2048 (G = 16) 0.94x.
+// A GEMM oneDNN makes in a half type (`half_products`, agreed: every rank's) also costs a fixed ~0.02 ms per
+// call (this VM, AVX512-BF16/FP16: 8 rows of a 64x64 bf16 b take 0.023 ms, fp32 0.002 ms), counted as
+// kHalfGemmCall elements of copy: allgather_gemm's two 64-row GEMMs of 64^3 in place were 0.66-0.71x of
+// unfused, one GEMM after a copy 0.92-0.94x (2 ranks, bf16 and fp16, 2026-11-27).
+constexpr double kHalfGemmCall = 131072;
 bool in_place_pays(int64_t rows, size_t per_chunk, int64_t gemms_per_chunk, int64_t chunks, int64_t k, int64_t n,
-                   double saved) {
+                   double saved, bool half_products) {
   if (per_chunk == 0) return false;
   if (chunks > 1) return true;
   const double gemms = double((size_t(rows) + per_chunk - 1) / per_chunk) * double(gemms_per_chunk);
-  return (gemms - 1) * double(k) * double(n) <= 2 * saved;
+  return (gemms - 1) * (double(k) * double(n) + (half_products ? kHalfGemmCall : 0.0)) <= 2 * saved;
 }
 
 // A tensor over staging-slot memory (valid only inside the collective's callback).
@@ -385,8 +390,10 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     carried.data = [&a](int) { return a.data_ptr(); };
   }
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
+  const bool made_half = Products::type(a_in, /*exact=*/false) != at::kFloat;
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
-                   {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true}},
+                   {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true},
+                    {"half_products", int64_t(made_half), false}},
                    std::move(carried));
   // Other backends on CPU (Gloo): the agreement is an exchange of its own (384 B each way took 0.18-0.32 ms
   // on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
@@ -448,7 +455,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     // straight from its slot (no copy out into `gathered`), chunk by chunk as they are staged.
     const size_t row_bytes = size_t(k) * a.element_size();
     const size_t rows = in_place_rows(p, m, row_bytes, 1, C);
-    if (in_place_pays(m, rows, R, C, k, ga.max_over_ranks(2), double(R) * m * k)) {
+    if (in_place_pays(m, rows, R, C, k, ga.max_over_ranks(2), double(R) * m * k, ga.extra_min(2) != 0)) {
       const char* src = static_cast<const char*>(a.data_ptr());
       p.run_in_place("allgather", rows, [&](Comm& comm) {
         coll::shm_allgather_rows(
@@ -552,6 +559,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
   const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
   bool sum_here = sums_here(g, acc_t, made_t, /*most_ranks=*/4);  // (until a rank that makes fp32 says no)
+  const bool made_half = made_t != acc_t;
   ChunkModel model;  // (bytes sent by a rank: a ring allreduce's, or the gathered products' when sum_here)
   model.comm_bytes = double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) *
                      (sum_here ? double(g.size - 1) * c10::elementSize(made_t) : 2.0 * c10::elementSize(acc_t));
@@ -591,7 +599,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     carried.data = [&own](int) { return own.data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
-                   {{"ring", int64_t(ring), true}, {"sums_here", int64_t(sum_here), false}}, std::move(carried));
+                   {{"ring", int64_t(ring), true}, {"half_products", int64_t(made_half), false}}, std::move(carried));
   // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
@@ -607,7 +615,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     p.publish(term);
   }
   const int64_t C = ga.chunks();
-  if (sum_here && !ga.extra_min(1)) {  // a rank made fp32 products (see sums_here): every rank allreduces fp32
+  const bool all_half = ga.extra_min(1) != 0;  // every rank makes its products in the half type
+  if (sum_here && !all_half) {  // a rank made fp32 products (see sums_here): every rank allreduces fp32
     sum_here = false;
     if (term.defined() && !term.is_same(acc)) acc.copy_(term);
     term = acc;
@@ -626,7 +635,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     acc.copy_(own);  // ... widened
   }
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, row_bytes, 1, C) : 0;
-  const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n);
+  const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n, all_half);
   if (!early) prepare();
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
   if (g.size == 1) {
@@ -706,6 +715,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const int64_t mb = m >= 0 ? m / R : 0;
   const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
   bool sum_here = sums_here(g, acc_t, made_t);  // (until a rank that makes fp32 says no)
+  const bool made_half = made_t != acc_t;
   at::ScalarType stage_t = sum_here ? made_t : acc_t;  // what the partial sums travel as
   ChunkModel model;
   model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(stage_t);
@@ -742,7 +752,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
-                   {{"ring", int64_t(ring), true}, {"sums_here", int64_t(sum_here), false}}, std::move(carried));
+                   {{"ring", int64_t(ring), true}, {"half_products", int64_t(made_half), false}}, std::move(carried));
   // mk on one host: each block's products are written straight into the shm staging slots (no copy in),
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
@@ -765,7 +775,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     });
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
-  if (sum_here && !ga.extra_min(1)) {  // a rank made fp32 products (see sums_here): reduce-scatter fp32
+  const bool all_half = ga.extra_min(1) != 0;  // every rank makes its products in the half type
+  if (sum_here && !all_half) {  // a rank made fp32 products (see sums_here): reduce-scatter fp32
     sum_here = false;
     stage_t = acc_t;
   }
@@ -774,7 +785,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
   // (a chunk of every row is one GEMM into the slot, else one per block)
   const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;
-  const bool in_place = in_place_pays(mb, in_place_chunk, gemms_per_chunk, C, ga.max_over_ranks(1), n, double(m) * n);
+  const bool in_place =
+      in_place_pays(mb, in_place_chunk, gemms_per_chunk, C, ga.max_over_ranks(1), n, double(m) * n, all_half);
   if (!early) prepare();
   if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   if (R == 1) {

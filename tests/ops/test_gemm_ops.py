@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES,
-                                 WorldCache, failures_of, gemm_paths)
+                                 WorldCache, failures_of, gemm_paths, product_bytes)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
@@ -72,15 +72,16 @@ def test_widened_half_types_match_float64(world: int, transport: str) -> None:
         assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
 
 
-@pytest.mark.skipif(not (torch.ops.mkldnn._is_mkldnn_bf16_supported() or torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+@pytest.mark.skipif(not (torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                         or torch.ops.mkldnn._is_mkldnn_fp16_supported()),
                     reason="this processor widens bfloat16 and float16 anyway: every rank would multiply alike")
-@pytest.mark.parametrize("world,transport", [(2, "gloo"), (3, "gloo"), (3, "tcp")],
-                         ids=["2ranks-gloo", "3ranks-gloo", "3ranks-tcp"])
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (2, "gloo"), (3, "gloo"), (3, "tcp")],
+                         ids=["2ranks-shm", "2ranks-gloo", "3ranks-gloo", "3ranks-tcp"])
 def test_ranks_that_multiply_half_types_differently(world: int, transport: str) -> None:
     """A cluster whose processors differ: rank 1 widens bf16/fp16 to fp32 (SUPERKERNEL_OPS_WIDEN_HALF=1 there
     only) while the others multiply them with oneDNN, so its partial products are fp32 and theirs the half type.
-    Every op, dtype, chunk count and gradient of the suite still matches float64 (carried, collective, and
-    Gloo's own-summing paths), and gemm_allreduce's sums are the same bytes on every rank. (allgather_gemm's
+    Every op, dtype, chunk count and gradient of the suite still matches float64 (carried, collective, in-place
+    shm and Gloo's own-summing paths: each is chosen from every rank's product type), and gemm_allreduce's sums are the same bytes on every rank. (allgather_gemm's
     products are each rank's own, made by its own processor: a half-type product rounds alike but accumulates
     in another order, as the unfused matmul on those processors would.)"""
     reps = _mixed.reports(world, transport, ["--widen-half-on", "1"])
@@ -317,8 +318,9 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
                     chunks: int) -> int:
     """Rows per chunk the in-place shm path should use for a call (0: not in place), as
     csrc/kernels/gemm_collectives.cc decides: a row must fit in a slot, and the GEMMs it splits the product into
-    must pay for themselves ((G - 1) k n <= 2 x the elements of staging copy saved) unless chunks were asked
-    for. k and n are the largest any rank passed."""
+    must pay for themselves ((G - 1) (k n + H) <= 2 x the elements of staging copy saved, H = 131072 for a
+    GEMM oneDNN makes in a half type, else 0) unless chunks were asked for. k and n are the largest any rank
+    passed."""
     if op == "allgather_gemm":
         rows, row, pieces, gemms, saved = m, kmax * (4 if dtype == "Float" else 2), 1, world, world * m * kmax
     elif op == "gemm_allreduce":
@@ -335,7 +337,8 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
     if op == "gemm_reducescatter" and per == rows:
         gemms = 1   # a chunk of every row of every block is the whole product: one GEMM into the slot
     g = -(-rows // per) * gemms
-    return per if (g - 1) * kmax * nmax <= 2 * saved else 0
+    call_cost = 131072 if dtype != "Float" and product_bytes(dtype) == 2 else 0
+    return per if (g - 1) * (kmax * nmax + call_cost) <= 2 * saved else 0
 
 
 def in_place_calls(stderrs: list[str], world: int, slot_bytes: int) -> tuple[int, int]:
