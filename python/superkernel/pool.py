@@ -136,11 +136,12 @@ _MPI_SIGNAL = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited on\s+sig
 _SRUN_FAIL = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (Killed|Terminated|Exited with exit code (\d+))")
 _MPI_EXIT = re.compile(r"rank (\d+) with PID (\d+) on node \S+ exited .*?status (\d+)", re.S)
 # mpirun's first words when a rank fails; the line naming the rank and its signal follows once the
-# other ranks are gone, after Open MPI's odls_base_sigkill_timeout (1 s by default)
+# other ranks are gone, after Open MPI's odls_base_sigkill_timeout (1 s by default; 1.0 s after the kill here,
+# sometimes 2.0 s)
 _MPI_ABORTING = re.compile(r"Primary job\s+terminated normally, but \d+ process(es)? returned|"
                            r"the job has been aborted")
 # how long to wait for the launcher to say how a rank ended: 1.2 s, or this once mpirun is aborting
-MPI_REPORT_WAIT = 2.5
+MPI_REPORT_WAIT = 3.2
 
 
 class Pool:

@@ -45,7 +45,7 @@ def test_mpi_pool(kernel_prefix):
         t0 = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         r = k.collect(msg_id, timeout=30, t0=t0)
-        assert r.status == "error" and r.elapsed < 3.0, r.elapsed
+        assert r.status == "error" and r.elapsed < 4.0, r.elapsed  # (mpirun reports after 1-2 s)
         assert r.reply["evalue"].startswith(f"rank 1 (pid {pids[1]}") and "SIGKILL" in r.reply["evalue"]
         r = k.ok("%restart\nrank", timeout=120)
         assert r.result == "[rank 0] 0\n[rank 1] 1"
@@ -75,14 +75,15 @@ class Deaths:
         pass
 
 
-# mpirun, but every line naming a dead rank's signal comes 0.8 s late, as on a loaded machine: Open MPI
-# prints it after its 1 s odls_base_sigkill_timeout, so it now lands ~1.8 s after the kill
+# mpirun, but every line naming a dead rank's signal comes 0.5 s late, as on a loaded machine: Open MPI
+# prints it after its 1 s odls_base_sigkill_timeout (1.0 s after the kill, sometimes 2.0 s), so it now
+# lands 1.5-2.5 s after the kill
 SLOW_MPIRUN = """#!/bin/sh
 {real} "$@" 2>&1 | {python} -u -c '
 import sys, time
 for line in sys.stdin:
     if "exited on signal" in line:
-        time.sleep(0.8)
+        time.sleep(0.5)
     sys.stdout.write(line)
     sys.stdout.flush()
 '
@@ -109,7 +110,7 @@ def test_late_mpirun_report_still_names_the_signal(tmp_path, monkeypatch):
         elapsed = time.monotonic() - t0
         first = listener.deaths[0]
         assert first.rank == 1 and first.pid == victim, [d.describe() for d in listener.deaths]
-        assert "SIGKILL" in first.describe(), (first.describe(), pool.launcher_tail())
-        assert 1.5 < elapsed < 3.0, elapsed  # it did wait for the late line, and not much longer
+        assert "SIGKILL" in first.describe(), f"{first.describe()}\nlauncher:\n{pool.launcher_tail()}"
+        assert 1.3 < elapsed < 3.5, elapsed  # it did wait for the late line, and not much longer
     finally:
         pool.close()
