@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "kernels/eager_call.h"
+#include "kernels/pipeline.h"
 #include "store_worker.h"
 #include "transport/copy.h"
 #include "transport/deadline.h"
@@ -469,6 +470,16 @@ PYBIND11_MODULE(_C, m) {
         "(superkernel.ops.dispatch.call; csrc/kernels/eager_call.h).");
 
   m.def("host_identity", &mk::host_identity, "The identity mk uses to decide which ranks share memory.");
+
+  m.def(
+      "half_gemm_native",
+      [](const std::string& dtype) {
+        TORCH_CHECK(dtype == "bfloat16" || dtype == "float16", "half_gemm_native: bfloat16 or float16, not ", dtype);
+        return mk::kernels::native_half_gemm(dtype == "bfloat16" ? at::kBFloat16 : at::kHalf, c10::Device("cpu"));
+      },
+      py::arg("dtype"),
+      "Whether the ops multiply this half type as it is on this process's CPU (else on operands widened to fp32): "
+      "oneDNN supports it and is not slower here (decided once per process; csrc/kernels/pipeline.h).");
 
   m.def(
       "copy_bytes",

@@ -90,7 +90,9 @@ struct Products {
     if (!a.device().is_cpu()) return exact ? at::kFloat : t;
     return native_half_gemm(t, a.device()) ? t : at::kFloat;
   }
-  Products(const at::Tensor& a, const at::Tensor& b_in, bool exact) : widen(type(a, exact) != a.scalar_type()) {
+  // (`widen_anyway`: widen a half type even where it would be multiplied as it is; see allgather_gemm)
+  Products(const at::Tensor& a, const at::Tensor& b_in, bool exact, bool widen_anyway = false)
+      : widen(type(a, exact) != a.scalar_type() || (widen_anyway && a.scalar_type() != at::kFloat)) {
     b = widen ? b_in.to(at::kFloat) : b_in;
   }
   // dst = rows @ b, whatever dst's float type.
@@ -193,10 +195,15 @@ class GemmAgreement {
     for (const auto& r : all_) v = std::max(v, r.at(i));
     return v;
   }
-  // After chunks(): the smallest value any rank passed for extra field j.
+  // After chunks(): the smallest and the largest value any rank passed for extra field j.
   int64_t extra_min(size_t j) const {
     int64_t v = all_.at(0).at(kFirstExtra + j);
     for (const auto& r : all_) v = std::min(v, r.at(kFirstExtra + j));
+    return v;
+  }
+  int64_t extra_max(size_t j) const {
+    int64_t v = all_.at(0).at(kFirstExtra + j);
+    for (const auto& r : all_) v = std::max(v, r.at(kFirstExtra + j));
     return v;
   }
   int64_t chunks() {
@@ -420,7 +427,11 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   }
   const int64_t C = ga.chunks();
   prepare();
-  const bool own_done = early_own && C == 1;
+  // Ranks that make half-type products differently (hosts whose processors differ, see native_half_gemm) all
+  // widen, so that every rank multiplies each block alike and the output is the same bytes everywhere.
+  const bool mixed = ga.extra_min(2) != ga.extra_max(2);
+  if (mixed && !prod->widen) prod.emplace(a_in, b_in, /*exact=*/false, /*widen_anyway=*/true);
+  const bool own_done = early_own && C == 1 && !mixed;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer, which
   // the in-place path below never needs)
   at::Tensor gathered;

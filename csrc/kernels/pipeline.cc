@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -755,13 +756,48 @@ at::ScalarType accumulate_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }
 
+
+namespace {
+
+// SUPERKERNEL_OPS_WIDEN_HALF: the half types to widen ("1": both; "bfloat16", "float16", or both with a comma).
+struct WidenHalf {
+  bool bf16 = false, fp16 = false;
+  std::string problem;
+};
+WidenHalf widen_half_from_env() {
+  WidenHalf w;
+  const char* v = std::getenv("SUPERKERNEL_OPS_WIDEN_HALF");
+  const std::string value = v ? v : "";
+  if (value.empty() || value == "0") return w;
+  if (value == "1") {
+    w.bf16 = w.fp16 = true;
+    return w;
+  }
+  size_t begin = 0;
+  while (begin <= value.size()) {
+    const size_t end = std::min(value.find(',', begin), value.size());
+    const std::string name = value.substr(begin, end - begin);
+    if (name == "bfloat16") {
+      w.bf16 = true;
+    } else if (name == "float16") {
+      w.fp16 = true;
+    } else {
+      w.problem = c10::str("SUPERKERNEL_OPS_WIDEN_HALF=", value, ": expected 1, 0, or bfloat16 and/or float16 "
+                           "separated by a comma (", name.empty() ? "an empty name" : "'" + name + "'", ")");
+      return w;
+    }
+    begin = end + 1;
+  }
+  return w;
+}
+
+}  // namespace
+
 bool native_half_gemm(at::ScalarType t, const c10::Device& device) {
   if (!device.is_cpu() || (t != at::kBFloat16 && t != at::kHalf)) return false;
-  static const bool widen = [] {
-    const char* v = std::getenv("SUPERKERNEL_OPS_WIDEN_HALF");
-    return v && std::string(v) == "1";
-  }();
-  if (widen) return false;
+  static const WidenHalf widen = widen_half_from_env();
+  TORCH_CHECK(widen.problem.empty(), widen.problem);
+  if (t == at::kBFloat16 ? widen.bf16 : widen.fp16) return false;
   // ATen registers oneDNN's device checks as ops (absent from a build without oneDNN: then false).
   auto supported = [](const char* name) {
     auto op = c10::Dispatcher::singleton().findSchema({name, ""});

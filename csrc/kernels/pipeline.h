@@ -312,10 +312,13 @@ at::ScalarType accumulate_type(at::ScalarType t);
 // Whether ATen's GEMM is fast on the half type `t` (bf16, fp16) itself on `device`, so products are made in
 // `t` (accumulated in fp32 inside, rounded once) instead of on operands widened to fp32. On the CPU that is
 // oneDNN's support for the type on this processor: the other CPU GEMM of half types is a plain loop (fp16 on
-// this 2-core AVX-512 VM, no AVX512-FP16: 1024^3 takes 2.2 s against 27 ms widened; bf16 with AVX512-BF16:
-// 11 ms against 25 ms widened). Elsewhere false (cuBLAS may reduce fp16 in fp16). Decided once per process.
-// SUPERKERNEL_OPS_WIDEN_HALF=1 widens on every processor (how the tests run that path on one with both; ranks
-// may differ in it as hosts differ in oneDNN support: see sums_here in gemm_collectives.cc).
+// an AVX-512 VM without AVX512-FP16: 1024^3 took 2.2 s against 27 ms widened). Elsewhere false (cuBLAS may
+// reduce fp16 in fp16). Support does not say which is faster: bf16 with AVX512-BF16 was 2.3x faster than
+// widened at 1024^3 on one VM and 1.2-1.9x slower on another (AVX512-BF16 and -FP16, no AMX); timing it in
+// each process flipped the choice in 1-2 of 4 ranks started together on 2 cores, so the user chooses:
+// SUPERKERNEL_OPS_WIDEN_HALF=1 widens both types, =bfloat16 / =float16 / =bfloat16,float16 those named.
+// Decided once per process. Ranks may differ in it, as hosts differ in processors: every GEMM op agrees on
+// it (see sums_here in gemm_collectives.cc).
 bool native_half_gemm(at::ScalarType t, const c10::Device& device);
 
 // A [rows, cols] buffer for an intermediate that does not outlive the op call (never returned): on CPU, up

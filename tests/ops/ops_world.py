@@ -45,7 +45,7 @@ def failures_of(reports: list[dict], family: str) -> list[str]:
 
 _RING_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call \d+\] m=(\d+) "
                          r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=\d+ \(proposed \d+, (automatic|requested \d+)\).* "
-                         r"ring=(\d)(?: half_products=\d)?( agreement=board)?( carried)?$", re.MULTILINE)
+                         r"ring=(\d)(?: half_products=(\d))?( agreement=board)?( carried)?$", re.MULTILINE)
 
 # Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_rows; the
 # attention ring's threshold in ring_attention.cc), with carrying off (pipeline.h's CarryLimit), which would
@@ -54,16 +54,6 @@ RING_ON_SMALL_SHAPES = {"SUPERKERNEL_OPS_RING_MIN_ROWS": "1", "SUPERKERNEL_OPS_A
                         "SUPERKERNEL_OPS_CARRY_BYTES": "0"}
 CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default (and kCarryMax, the most sent to one peer)
 _ELEMENT_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2}
-
-
-def product_bytes(dtype: str) -> int:
-    """Bytes per element of a partial product as gemm_allreduce / gemm_reducescatter make and carry it
-    (trace dtype name): the half type itself when oneDNN multiplies it on this processor, else float32."""
-    import torch
-
-    fast = {"BFloat16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-            "Half": torch.ops.mkldnn._is_mkldnn_fp16_supported()}
-    return _ELEMENT_BYTES[dtype] if dtype == "Float" or fast[dtype] else 4
 
 
 def without_rule_changes(stderr: str) -> str:
@@ -83,7 +73,7 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     peer over TCP: with ``carry`` (SUPERKERNEL_OPS_CARRY_BYTES unset; without it, carrying is off), carried when the
     chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its shard, m k elements;
     gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n; a product's element as
-    ``product_bytes``) are at most 64 KiB, and for gemm_allreduce also times R - 1 (its direct sends cost more than
+    the trace's half_products: 2 bytes when this rank makes them in the half type, else 4) are at most 64 KiB, and for gemm_allreduce also times R - 1 (its direct sends cost more than
     its ring; the other two send what their collective sends, pipeline.h's CarryTotal); else a ring when
     gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default),
     gemm_allreduce's when moreover R divides m (m > 0), allgather_gemm's shard has ``min_rows`` rows. With every peer
@@ -95,17 +85,18 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
                         flags=re.MULTILINE)
     unread = [line for line in traced if not _RING_TRACE.fullmatch(line)]
     assert not unread, f"trace lines gemm_paths cannot read: {unread[:3]}"
-    for op, rank, m, k, n, dtype, chunks, ring, _board, carried in _RING_TRACE.findall(stderr):
+    for op, rank, m, k, n, dtype, chunks, ring, half, _board, carried in _RING_TRACE.findall(stderr):
         m, k, n = int(m), int(k), int(n)
+        product_bytes = 2 if half == "1" else 4
         if op == "allgather_gemm":
             want_ring = world > 1 and m >= min_rows
             per_peer = m * k * _ELEMENT_BYTES[dtype]
         elif op == "gemm_reducescatter":
             want_ring = m // world >= min_rows
-            per_peer = m // world * n * product_bytes(dtype)
+            per_peer = m // world * n * product_bytes
         else:
             want_ring = m > 0 and m % world == 0 and m // world >= min_rows
-            per_peer = m * n * product_bytes(dtype)
+            per_peer = m * n * product_bytes
         most = GLOO_GEMM_CARRY_BYTES if gloo else CARRY_BYTES
         total = most if op == "gemm_allreduce" else (world - 1) * most
         want_carried = (carry and world > 1 and chunks == "automatic" and 0 < per_peer <= most

@@ -4,13 +4,16 @@ rank; torch.library.opcheck in a 1-rank and a 2-rank world; a torch.compile(full
 the fake kernels. One world start per configuration (tests/ops/gemm_suite.py runs every case)."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES,
-                                 WorldCache, failures_of, gemm_paths, product_bytes)
+                                 WorldCache, failures_of, gemm_paths)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
@@ -29,8 +32,9 @@ _gloo_carry = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRA
 _widened = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_WIDEN_HALF": "1"})
 
 
-# rank 1 alone widens, as one host of a cluster whose processors differ in oneDNN bf16/fp16 support
-_mixed = WorldCache("gemm_suite.py", timeout=300)
+# rank 1 alone widens, as one host of a cluster whose processors differ in oneDNN bf16/fp16 support (the others
+# multiply every half type oneDNN supports as it is, without measuring which is faster)
+_mixed = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_WIDEN_HALF": "0"})
 
 
 def args_for(world: int, transport: str) -> list[str]:
@@ -72,6 +76,39 @@ def test_widened_half_types_match_float64(world: int, transport: str) -> None:
         assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
 
 
+@pytest.mark.parametrize("value,bf16,fp16", [("", None, None), ("0", None, None), ("1", False, False),
+                                              ("bfloat16", False, None), ("float16", None, False),
+                                              ("float16,bfloat16", False, False)])
+def test_widen_half_variable(value: str, bf16: bool | None, fp16: bool | None) -> None:
+    """SUPERKERNEL_OPS_WIDEN_HALF names the half types the ops widen (None: multiplied as they are where oneDNN
+    supports them on this processor); the forward ops (C++) and the backward formulas (Python) follow it."""
+    script = ("import torch, superkernel\nfrom superkernel import _C\nfrom superkernel.ops import autograd\n"
+              "print(_C.half_gemm_native('bfloat16'), _C.half_gemm_native('float16'),"
+              " sorted(str(t) for t in autograd._WIDENED_ON_CPU))")
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "SUPERKERNEL_OPS_WIDEN_HALF": value},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got_bf16, got_fp16, widened = out.stdout.split(" ", 2)
+    want_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported() if bf16 is None else bf16
+    want_fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported() if fp16 is None else fp16
+    assert (got_bf16, got_fp16) == (str(want_bf16), str(want_fp16)), out.stdout
+    want_widened = sorted(name for name, native in (("torch.bfloat16", want_bf16), ("torch.float16", want_fp16))
+                          if not native)
+    assert widened.strip() == str(want_widened), out.stdout
+
+
+@pytest.mark.parametrize("value", ["bf16", "bfloat16,", "yes"])
+def test_widen_half_variable_rejects_unknown_values(value: str) -> None:
+    """A value that names no half type fails `import superkernel` on every rank with the variable named, before
+    any op runs (a rank that decided alone would leave the others waiting in an agreement)."""
+    out = subprocess.run([sys.executable, "-c", "import superkernel"],
+                         env={**os.environ, "SUPERKERNEL_OPS_WIDEN_HALF": value},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"SUPERKERNEL_OPS_WIDEN_HALF={value}: expected 1, 0, or bfloat16 and/or float16" in out.stderr, \
+        out.stderr[-2000:]
+
+
 @pytest.mark.skipif(not (torch.ops.mkldnn._is_mkldnn_bf16_supported()
                          or torch.ops.mkldnn._is_mkldnn_fp16_supported()),
                     reason="this processor widens bfloat16 and float16 anyway: every rank would multiply alike")
@@ -81,17 +118,16 @@ def test_ranks_that_multiply_half_types_differently(world: int, transport: str) 
     """A cluster whose processors differ: rank 1 widens bf16/fp16 to fp32 (SUPERKERNEL_OPS_WIDEN_HALF=1 there
     only) while the others multiply them with oneDNN, so its partial products are fp32 and theirs the half type.
     Every op, dtype, chunk count and gradient of the suite still matches float64 (carried, collective, in-place
-    shm and Gloo's own-summing paths: each is chosen from every rank's product type), and gemm_allreduce's sums are the same bytes on every rank. (allgather_gemm's
-    products are each rank's own, made by its own processor: a half-type product rounds alike but accumulates
-    in another order, as the unfused matmul on those processors would.)"""
+    shm and Gloo's own-summing paths: each is chosen from every rank's product type), and the results are the
+    same bytes on every rank (allgather_gemm widens on every rank then)."""
     reps = _mixed.reports(world, transport, ["--widen-half-on", "1"])
     for family in OPS:
         problems = failures_of(reps, family)
         assert not problems, "\n".join(problems[:20])
-    sums = [k for k in reps[0]["digests"] if k.startswith("ar/")]
-    assert any("torch.bfloat16" in k for k in sums) and any("torch.float16" in k for k in sums), sums[:5]
+    keys = list(reps[0]["digests"])
+    assert any("torch.bfloat16" in k for k in keys) and any("torch.float16" in k for k in keys), keys[:5]
     for rep in reps[1:]:
-        differ = [k for k in sums if rep["digests"].get(k) != reps[0]["digests"][k]]
+        differ = [k for k in keys if rep["digests"].get(k) != reps[0]["digests"][k]]
         assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
 
 
@@ -310,17 +346,19 @@ def test_requested_chunks_are_used(world: int, transport: str) -> None:
 
 _TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call (\d+)\] m=(\d+) "
                     r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=(\d+)")
+_HALF_PRODUCTS = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call (\d+)\] m=.* "
+                            r"half_products=(\d)")
 _IN_PLACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call (\d+)\] in place: "
                        r"(\d+) rows per chunk")
 
 
 def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nmax: int, dtype: str,
-                    chunks: int) -> int:
+                    chunks: int, half_products: bool) -> int:
     """Rows per chunk the in-place shm path should use for a call (0: not in place), as
     csrc/kernels/gemm_collectives.cc decides: a row must fit in a slot, and the GEMMs it splits the product into
     must pay for themselves ((G - 1) (k n + H) <= 2 x the elements of staging copy saved, H = 131072 for a
-    GEMM oneDNN makes in a half type, else 0) unless chunks were asked for. k and n are the largest any rank
-    passed."""
+    GEMM oneDNN makes in a half type on every rank, else 0) unless chunks were asked for. k and n are the
+    largest any rank passed."""
     if op == "allgather_gemm":
         rows, row, pieces, gemms, saved = m, kmax * (4 if dtype == "Float" else 2), 1, world, world * m * kmax
     elif op == "gemm_allreduce":
@@ -337,7 +375,7 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
     if op == "gemm_reducescatter" and per == rows:
         gemms = 1   # a chunk of every row of every block is the whole product: one GEMM into the slot
     g = -(-rows // per) * gemms
-    call_cost = 131072 if dtype != "Float" and product_bytes(dtype) == 2 else 0
+    call_cost = 131072 if half_products else 0
     return per if (g - 1) * (kmax * nmax + call_cost) <= 2 * saved else 0
 
 
@@ -347,7 +385,10 @@ def in_place_calls(stderrs: list[str], world: int, slot_bytes: int) -> tuple[int
     wider than a slot), counted on rank 0."""
     calls: dict[tuple[str, str], list[tuple]] = {}
     placed: dict[tuple[str, str, str], int] = {}
+    half: dict[tuple[str, str], list[str]] = {}
     for stderr in stderrs:
+        for op, _rank, call, h in _HALF_PRODUCTS.findall(stderr):
+            half.setdefault((op, call), []).append(h)
         for op, rank, call, m, k, n, dtype, chunks in _TRACE.findall(stderr):
             calls.setdefault((op, call), []).append((rank, int(m), int(k), int(n), dtype, int(chunks)))
         for op, rank, call, rows in _IN_PLACE.findall(stderr):
@@ -357,7 +398,8 @@ def in_place_calls(stderrs: list[str], world: int, slot_bytes: int) -> tuple[int
         assert len(per_rank) == world, (op, call, per_rank)
         kmax, nmax = max(x[2] for x in per_rank), max(x[3] for x in per_rank)
         _, m, _, _, dtype, chunks = per_rank[0]
-        want = expect_in_place(op, world, slot_bytes, m, kmax, nmax, dtype, chunks)
+        want = expect_in_place(op, world, slot_bytes, m, kmax, nmax, dtype, chunks,
+                               min(half.get((op, call), ["0"])) == "1")
         for rank, *_ in per_rank:
             got = placed.get((op, rank, call), 0)
             assert got == want, f"{op} call {call} rank {rank} m={m} k<={kmax} n<={nmax} {dtype} chunks={chunks}: " \

@@ -47,14 +47,15 @@ def all_reduce(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- local products of the formulas
-# Half types that ATen multiplies on the CPU with a plain loop, not oneDNN: fp16 on a CPU without AVX512-FP16
-# or AMX-FP16 (this VM: a [256,256] product 10.7 ms as fp16, 0.9 ms widened to fp32 and rounded back). The
-# forward ops decide the same way in C++ (native_half_gemm in csrc/kernels/pipeline.cc). Asked once, at
-# import, so that torch.compile traces the backward through a constant.
+# Half types the ops multiply on the CPU on operands widened to fp32: those ATen multiplies with a plain loop,
+# not oneDNN (fp16 on a CPU without AVX512-FP16 or AMX-FP16: a [256,256] product 10.7 ms as fp16, 0.9 ms
+# widened and rounded back), and those oneDNN multiplies more slowly than fp32 here (bf16 with AVX512-BF16 but
+# no AMX: 1.2-1.9x). The forward ops' own decision (native_half_gemm in csrc/kernels/pipeline.cc), asked once,
+# at import, so that torch.compile traces the backward through a constant.
 def _widened_on_cpu() -> frozenset[torch.dtype]:
-    checks = ((torch.float16, "_is_mkldnn_fp16_supported"), (torch.bfloat16, "_is_mkldnn_bf16_supported"))
-    ops = torch.ops.mkldnn
-    return frozenset(t for t, name in checks if not (hasattr(ops, name) and getattr(ops, name)()))
+    from superkernel import _C
+
+    return frozenset(t for t in (torch.float16, torch.bfloat16) if not _C.half_gemm_native(str(t).split(".")[1]))
 
 
 _WIDENED_ON_CPU = _widened_on_cpu()
