@@ -479,7 +479,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dtype"),
       "Whether the ops multiply this half type as it is on this process's CPU (else on operands widened to fp32): "
-      "oneDNN supports it and is not slower here (decided once per process; csrc/kernels/pipeline.h).");
+      "oneDNN supports it and SUPERKERNEL_OPS_WIDEN_HALF does not name it (once per process; kernels/pipeline.h).");
 
   m.def(
       "copy_bytes",

@@ -11,7 +11,6 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -755,7 +754,6 @@ at::Tensor scratch(int64_t rows, int64_t cols, const at::TensorOptions& opts) {
 at::ScalarType accumulate_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }
-
 
 namespace {
 
