@@ -72,13 +72,13 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     should have, the bytes it sends each peer when carried), a path being "carried", "ring" or "collective". With a
     peer over TCP: with ``carry`` (SUPERKERNEL_OPS_CARRY_BYTES unset; without it, carrying is off), carried when the
     chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its shard, m k elements;
-    gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n; a product's element as
-    the trace's half_products: 2 bytes when this rank makes them in the half type, else 4) are at most 64 KiB, and for gemm_allreduce also times R - 1 (its direct sends cost more than
-    its ring; the other two send what their collective sends, pipeline.h's CarryTotal); else a ring when
-    gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS, 64 by default),
-    gemm_allreduce's when moreover R divides m (m > 0), allgather_gemm's shard has ``min_rows`` rows. With every peer
-    on this host: the collective paths. ``gloo``: the rules on Gloo with CPU tensors (and the board off): carried as
-    over TCP but with 256 KiB to a peer, otherwise the collective path (no rings)."""
+    gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n; a product's element 2 bytes
+    when the trace says half_products=1, else 4) are at most 64 KiB, and for gemm_allreduce also times R - 1 (its
+    direct sends cost more than its ring; the other two send what their collective sends, pipeline.h's CarryTotal);
+    else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS,
+    64 by default), gemm_allreduce's when moreover R divides m (m > 0), allgather_gemm's shard has ``min_rows``
+    rows. With every peer on this host: the collective paths. ``gloo``: the rules on Gloo with CPU tensors (and the
+    board off): carried as over TCP but with 256 KiB to a peer, otherwise the collective path (no rings)."""
     calls = []
     stderr = without_rule_changes(stderr)
     traced = re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.*$", stderr,
