@@ -1,8 +1,9 @@
 """Runs inside every rank of a world (tests/transport/world.py): the three GEMM+collective ops against the
 unfused reference computed in float64 from every rank's inputs, over random and awkward shapes, every dtype
 and several chunk counts; gradients against float64 autograd of the whole sum of the ranks' losses; optionally the cross-rank mismatch errors, torch.library.opcheck and a
-torch.compile(fullgraph=True) trace. Prints one REPORT line: failures per family, result digests (the test
-compares them across ranks), and timings.
+torch.compile(fullgraph=True) trace. On Gloo, half-type sums with one chunk are also checked bit for bit (see
+exact_half_types). Prints one REPORT line: failures per family, result digests (the test compares them across
+ranks), timings, and how many results were checked bit for bit.
 
     python gemm_suite.py [--backend mk|gloo] [--errors] [--opcheck] [--compile] [--large] [--widen-half-on R,...]
 
@@ -31,6 +32,11 @@ failures: dict[str, list[str]] = defaultdict(list)
 digests: dict[str, int] = {}
 timings: dict[str, float] = defaultdict(float)
 rank = world = 0
+# Gloo with every rank multiplying half types as they are: the ops sum the half-type products here (sums_here in
+# csrc/kernels/gemm_collectives.cc), so with one chunk (whole GEMMs, as `a @ b` makes them) the result is known
+# bit for bit. Set in main(); exact_half_sums counts the results so checked.
+exact_half_types: set[torch.dtype] = set()
+exact_half_sums = 0
 
 
 def check(family: str, name: str, fn) -> None:
@@ -85,6 +91,23 @@ def allgather_gemm_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int,
     return mismatch(c, ref, dtype)
 
 
+def half_sum_problem(c: torch.Tensor, products: list[torch.Tensor], chunks: int) -> str:
+    """'' unless c differs from the products' fp32 sum in rank order rounded once to c's type, where that is
+    what the op computes (see exact_half_types)."""
+    global exact_half_sums
+    if c.dtype not in exact_half_types or chunks != 1 or world == 1:
+        return ""
+    total = products[0].float()
+    for p in products[1:]:
+        total = total + p.float()
+    want = total.to(c.dtype)
+    exact_half_sums += 1
+    if torch.equal(c, want):
+        return ""
+    return (f"{int((c != want).sum())} of {c.numel()} elements differ from the fp32 sum in rank order of the "
+            f"products, rounded once")
+
+
 def k_of(r: int, k: int) -> int:
     """Uneven k shards: rank r holds k + r % 2 columns (k = 0 stays 0 on rank 0)."""
     return k + (r % 2)
@@ -94,10 +117,11 @@ def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int,
     key = f"ar/{m}/{k}/{n}"
     a = [rank_tensor(key + "/a", r, (m, k_of(r, k)), dtype) for r in range(world)]
     b = [rank_tensor(key + "/b", r, (k_of(r, k), n), dtype) for r in range(world)]
-    c = mk.gemm_allreduce(a[rank], column_major(b[rank]) if strided else b[rank], chunks=chunks)
+    b_arg = [column_major(y) if strided else y for y in b]
+    c = mk.gemm_allreduce(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))
     digests[f"ar/{m}/{k}/{n}/{dtype}/{chunks}"] = digest(c)
-    return mismatch(c, ref, dtype)
+    return mismatch(c, ref, dtype) or half_sum_problem(c, [x @ y for x, y in zip(a, b_arg)], chunks)
 
 
 def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int, strided: bool = False) -> str:
@@ -105,9 +129,11 @@ def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks:
     key = f"rs/{m}/{k}/{n}"
     a = [rank_tensor(key + "/a", r, (m, k_of(r, k)), dtype) for r in range(world)]
     b = [rank_tensor(key + "/b", r, (k_of(r, k), n), dtype) for r in range(world)]
-    c = mk.gemm_reducescatter(a[rank], column_major(b[rank]) if strided else b[rank], chunks=chunks)
+    b_arg = [column_major(y) if strided else y for y in b]
+    c = mk.gemm_reducescatter(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))[rank * mb:(rank + 1) * mb]
-    return mismatch(c, ref, dtype)
+    return mismatch(c, ref, dtype) or half_sum_problem(
+        c, [(x @ y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks)
 
 
 def run_ops(large: bool) -> None:
@@ -438,6 +464,10 @@ def main() -> None:
         os.environ["SUPERKERNEL_OPS_WIDEN_HALF"] = "1"
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.backend == "gloo" and not args.widen_half_on:
+        from superkernel import _C
+        exact_half_types.update(t for t in (torch.bfloat16, torch.float16)
+                                if _C.half_gemm_native(str(t).split(".")[1]))
     t0 = time.perf_counter()
     run_ops(args.large)
     run_grads()
@@ -449,7 +479,8 @@ def main() -> None:
         run_compile()
     timings["total"] = time.perf_counter() - t0
     dist.barrier()
-    report = {"rank": rank, "world": world, "failures": failures, "digests": digests, "timings": timings}
+    report = {"rank": rank, "world": world, "failures": failures, "digests": digests, "timings": timings,
+              "exact_half_sums": exact_half_sums, "exact_half_types": sorted(str(t) for t in exact_half_types)}
     sys.stdout.write("REPORT " + json.dumps(report) + "\n")
     sys.stdout.flush()
     dist.destroy_process_group()
