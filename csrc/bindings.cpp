@@ -482,6 +482,23 @@ PYBIND11_MODULE(_C, m) {
       "oneDNN supports it and SUPERKERNEL_OPS_WIDEN_HALF does not name it (once per process; kernels/pipeline.h).");
 
   m.def(
+      "tuner_pick",
+      [](const std::vector<int64_t>& candidates, const std::vector<std::vector<double>>& seconds) {
+        TORCH_CHECK(!candidates.empty() && seconds.size() == candidates.size(),
+                    "tuner_pick: one list of timings per candidate");
+        mk::kernels::Tuner t;
+        t.candidates = candidates;
+        t.seconds.assign(candidates.size(), {});
+        for (size_t i = 0; i < seconds.size(); ++i)
+          for (double s : seconds[i]) t.record(candidates[i], s);
+        return t.next();
+      },
+      py::arg("candidates"), py::arg("seconds"),
+      "The chunk count the automatic tuner uses next after these timed calls (per candidate, in call order): "
+      "the candidates in turn until each was timed Tuner::kTrials times, then the lowest median "
+      "(kernels/pipeline.h).");
+
+  m.def(
       "copy_bytes",
       [](const at::Tensor& dst, const at::Tensor& src, const std::string& use) {
         TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() && src.is_contiguous(),

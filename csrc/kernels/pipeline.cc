@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <cmath>
 #include <condition_variable>
 #include <map>
@@ -400,21 +401,48 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   // The model cannot see how much CPU the communication itself needs (shm copies, TCP at 10 Gbit/s on a
   // small machine): then overlap gains less and chunking may cost more than it saves. So the automatic
   // count is tuned per (group, op, shape) on the calls themselves: the modelled count, its neighbours and 1
-  // are each timed twice, then the fastest is kept (rank 0's proposal is the one every rank uses).
+  // are each timed Tuner::kTrials times in turn, then the lowest median is kept (rank 0's proposal is the one
+  // every rank uses).
   std::lock_guard<std::mutex> lock(states_mu());
   auto& tuners = state_of(g_).tuners;
   Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi)];
   if (t.candidates.empty()) {
     for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
       if (std::find(t.candidates.begin(), t.candidates.end(), v) == t.candidates.end()) t.candidates.push_back(v);
-    t.best_seconds.assign(t.candidates.size(), 0);
+    t.seconds.assign(t.candidates.size(), {});
   }
   tuner_ = &t;
-  if (t.trials < 2 * t.candidates.size()) return t.candidates[t.trials % t.candidates.size()];
+  return t.next();
+}
+
+int64_t Tuner::next() const {
+  if (candidates.empty()) return 1;
+  if (!done()) return candidates[trials % candidates.size()];
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return std::numeric_limits<double>::infinity();
+    const size_t h = v.size() / 2;
+    std::nth_element(v.begin(), v.begin() + h, v.end());
+    if (v.size() % 2) return v[h];
+    return (v[h] + *std::max_element(v.begin(), v.begin() + h)) / 2;
+  };
   size_t best = 0;
-  for (size_t i = 1; i < t.candidates.size(); ++i)
-    if (t.best_seconds[i] < t.best_seconds[best]) best = i;
-  return t.candidates[best];
+  double best_median = median(seconds[0]);
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    const double m = median(seconds[i]);
+    if (m < best_median || (m == best_median && candidates[i] < candidates[best])) {
+      best = i;
+      best_median = m;
+    }
+  }
+  return candidates[best];
+}
+
+void Tuner::record(int64_t chunks, double secs) {
+  auto it = std::find(candidates.begin(), candidates.end(), chunks);
+  if (it == candidates.end() || done()) return;
+  // (rank 0's proposal is what every rank uses, so a call may have used another candidate than next() gave)
+  seconds[size_t(it - candidates.begin())].push_back(secs);
+  ++trials;
 }
 
 bool Pipeline::one_host() const {
@@ -437,12 +465,7 @@ void Pipeline::record_timing() {
   if (!tuner_ || chunks_used_ <= 0 || std::uncaught_exceptions() > 0) return;
   const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
   std::lock_guard<std::mutex> lock(states_mu());
-  Tuner& t = *tuner_;
-  auto it = std::find(t.candidates.begin(), t.candidates.end(), chunks_used_);
-  if (it == t.candidates.end()) return;
-  const size_t i = size_t(it - t.candidates.begin());
-  if (t.trials < 2 * t.candidates.size()) ++t.trials;
-  t.best_seconds[i] = t.best_seconds[i] == 0 ? secs : std::min(t.best_seconds[i], secs);
+  tuner_->record(chunks_used_, secs);
 }
 
 Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) { return p2p(t, peer, slot, false); }
