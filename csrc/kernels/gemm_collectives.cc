@@ -22,7 +22,8 @@
 //       rank's rows of that chunk; the reduce-scatter of chunk i overlaps the products of chunk i+1.
 // The rings across hosts need blocks of at least SUPERKERNEL_OPS_RING_MIN_ROWS rows (64; m for allgather_gemm,
 // m / R for the other two): below that the ops take the collective path (one GEMM, then mk's collective).
-// Smaller still (see CarryLimit: at most 64 KiB to a peer on mk, 256 KiB on other CPU backends; in all, that
+// Smaller still (see CarryLimit: at most 64 KiB to a peer on mk, 256 KiB on other CPU backends, 4 MiB for
+// allgather_gemm's shard there, which its own rows' product then hides; in all, that
 // for gemm_allreduce, whose direct sends cost more than its ring, and R - 1 times that for the other two,
 // whose direct sends are what their collective sends), with an automatic chunk count, the payload travels
 // inside the argument agreement's messages (allgather_gemm its shard, the other two their partial products,
@@ -405,7 +406,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && rr.pays(m);
-  const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, kCarryMaxOther);
+  const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, kCarryMaxGather);
   if (err.empty()) err = cl.problem;
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
   // as it is; mm reads it in place, where a copy of a 1024^2 transpose cost milliseconds)
@@ -417,7 +418,12 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     prod.emplace(a_in, b_in, /*exact=*/false);
     c = at::empty({R * m, n}, a.options());
   };
-  // A small shard travels inside the agreement (its bytes to every peer).
+  // A small shard travels inside the agreement (its bytes to every peer): up to 64 KiB per peer on mk; up to
+  // 4 MiB on other backends (kCarryMaxGather), where those sends are what the allgather would send, and the
+  // exchange then hides this rank's own rows' product (early_own) and saves a second exchange. Gloo between
+  // 2 namespace hosts at 1 Gbit/s, 2 ranks, medians of 60 interleaved calls against the allgather after the
+  // agreement (chunks=1): fp16 512^3 (512 KiB shard) 6.5-6.9 ms against 7.7-8.3 (unfused 6.7-6.8), fp32
+  // 512^3 (1 MiB) 11.3 against 13.1 (unfused 12.4), fp16 1024^3 (2 MiB) 38.0 against 53.7 (unfused 50.5).
   Carried carried;
   const bool offer = err.empty() && chunks == 0 && cl.fits(R, m * k * a_in.element_size());
   if (offer) {
@@ -435,11 +441,12 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
   // travels. Not on mk, where the agreement costs microseconds and splitting the GEMM in two measured slower
   // than the exchange it would hide (one host, 256^3 on 2 ranks: 0.92-0.94x of unfused against 0.97-1.03x).
-  // Only when one chunk is planned: every rank then multiplies each rank's block with one GEMM of m rows,
-  // so the output is bitwise the same on every rank (with more chunks each block is multiplied chunk by
-  // chunk everywhere, and an early product of this rank's rows is redone that way).
+  // Only when one chunk is planned or the shard is offered (carried, every block is multiplied whole): every
+  // rank then multiplies each rank's block with one GEMM of m rows, so the output is bitwise the same on
+  // every rank (with more chunks each block is multiplied chunk by chunk everywhere, and an early product of
+  // this rank's rows is redone that way).
   const bool early_own = err.empty() && R > 1 && !g.is_mk() && a_in.device().is_cpu() && m > 0 && n > 0 &&
-                         ga.proposal() == 1 && !offer;
+                         (ga.proposal() == 1 || offer);
   if (early_own) {
     prepare();
     // The GEMM's rounding can depend on where its input starts (its kernels pick paths by alignment): the
@@ -460,7 +467,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // widen, so that every rank multiplies each block alike and the output is the same bytes everywhere.
   const bool mixed = ga.extra_min(2) != ga.extra_max(2);
   if (mixed && !prod->widen) prod.emplace(a_in, b_in, /*exact=*/false, /*widen_anyway=*/true);
-  const bool own_done = early_own && C == 1 && !mixed;
+  const bool own_done = early_own && (C == 1 || ga.carried()) && !mixed;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer, which
   // the in-place path below never needs)
   at::Tensor gathered;
@@ -480,7 +487,15 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
       else
         copy_bytes(dst.data_ptr(), ga.carried_from(q, dst.nbytes()), dst.nbytes());
     }
-    prod->into(c, gathered);
+    if (!own_done) {
+      prod->into(c, gathered);
+    } else {
+      for (int j = 0; j < R; ++j) {  // the other ranks' rows (this rank's were multiplied during the exchange)
+        if (j == r) continue;
+        at::Tensor dst = c.narrow(0, j * m, m);
+        prod->into(dst, gathered.narrow(0, j * m, m));
+      }
+    }
     return {c, return_gathered ? gathered : a.new_empty({0, k})};
   }
   if (R > 1 && !ring) {

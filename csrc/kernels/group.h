@@ -66,11 +66,14 @@ struct Carried {
   std::function<const void*(int peer)> data;
   std::function<size_t(int peer)> size;
 };
-// The most carried to one peer: kCarryMax on mk (every receive is posted that large), kCarryMaxOther on
-// other backends (the GEMM ops' limit there, see CarryLimit in pipeline.h).
+// The most carried to one peer: kCarryMax on mk (every receive is posted that large), kCarryMaxGather on other
+// backends (every receive is posted that large, untouched beyond what arrives). The ops' own limits there (see
+// CarryLimit in pipeline.h): kCarryMaxOther for gemm_allreduce and gemm_reducescatter, kCarryMaxGather for
+// allgather_gemm, whose carried shard is what its allgather would send.
 constexpr size_t kCarryMax = size_t(64) << 10;
 constexpr size_t kCarryMaxOther = size_t(256) << 10;
-inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxOther; }
+constexpr size_t kCarryMaxGather = size_t(4) << 20;
+inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxGather; }
 
 // The cross-rank agreement in flight. Constructing it sends this rank's descriptor (the op's name, its call
 // number `seq` on this group, the fields, and whether its own argument check passed) and posts the receives

@@ -277,10 +277,11 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // SUPERKERNEL_OPS_CARRY_BYTES to all together (default: see CarryTotal; 0 turns it off), with an automatic
 // chunk count; the op then uses it only if every rank carried its part (decided from the exchanged
 // descriptors, so alike everywhere; otherwise its usual path, and what came along is dropped).
-// `other_most`: the most to one peer, on other backends (the GEMM ops pass kCarryMaxOther, 256 KiB: on Gloo
-// between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went from 0.33x of unfused to 1.18x and
-// allgather_gemm from 0.83x to 1.00x; the agreement's messages then carry what Gloo's own collective would
-// have sent, one exchange instead of two).
+// `other_most`: the most to one peer, on other backends (gemm_allreduce and gemm_reducescatter pass
+// kCarryMaxOther, 256 KiB: on Gloo between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went
+// from 0.33x of unfused to 1.18x and allgather_gemm from 0.83x to 1.00x; the agreement's messages then carry
+// what Gloo's own collective would have sent, one exchange instead of two; allgather_gemm passes
+// kCarryMaxGather, 4 MiB, see there).
 //
 // The default total, by what the direct sends to every peer cost against the op's unfused exchange:
 enum class CarryTotal {

@@ -174,6 +174,11 @@ def run_ops(large: bool) -> None:
     check("allgather_gemm", "m=96 k=128 n=24 float32 chunks=0",
           lambda: allgather_gemm_case(96, 128, 24, torch.float32, 0, False))
     check("gemm_allreduce", "m=96 k=8 n=128 float32 chunks=0", lambda: gemm_allreduce_case(96, 8, 128, torch.float32, 0))
+    # shards of 1.25 MiB and 4.06 MiB: on other backends allgather_gemm carries up to 4 MiB to a peer
+    check("allgather_gemm", "m=320 k=1024 n=8 float32 chunks=0",
+          lambda: allgather_gemm_case(320, 1024, 8, torch.float32, 0, False))
+    check("allgather_gemm", "m=1040 k=1024 n=4 float32 chunks=0",
+          lambda: allgather_gemm_case(1040, 1024, 4, torch.float32, 0, False))
     check("gemm_reducescatter", "mb=96 k=8 n=128 float32 chunks=0",
           lambda: gemm_reducescatter_case(96, 8, 128, torch.float32, 0))
     # empty results: m = 0, and k = 0 on rank 0 (k sharded unevenly)

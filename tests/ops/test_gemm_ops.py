@@ -307,14 +307,15 @@ def test_small_calls_carried(world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_small_calls_carried(world: int) -> None:
-    """On Gloo the agreement's messages are the backend's send/recv, each receive posted 256 KiB past the descriptor,
-    so every call under the GEMM ops' rule there (an automatic chunk count, at most 256 KiB to a peer, and
-    gemm_allreduce at most that in all) carries its payload, from its first call and whatever earlier calls sent;
-    every other call takes the collective path. Some carried calls are above mk's 64 KiB; results match the float64
-    reference, are the same bytes on every rank, and the errors are raised on every rank with the group usable after
-    them."""
+    """On Gloo the agreement's messages are the backend's send/recv, each receive posted 4 MiB past the descriptor,
+    so every call under the GEMM ops' rule there (an automatic chunk count, at most 256 KiB to a peer, allgather_gemm
+    4 MiB, and gemm_allreduce at most that in all) carries its payload, from its first call and whatever earlier
+    calls sent; every other call takes the collective path. Some carried calls are above mk's 64 KiB, an
+    allgather_gemm shard above 256 KiB is carried and one above 4 MiB is not; results match the float64 reference,
+    are the same bytes on every rank, and the errors are raised on every rank with the group usable after them."""
     results = _gloo_carry.results(world, "gloo", ["--errors"])
     carried: dict[str, int] = {}
+    big_shards: dict[tuple[int, str], int] = {}
     above_mk = 0
     for res in results:
         for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
@@ -323,8 +324,11 @@ def test_gloo_small_calls_carried(world: int) -> None:
             if took == "carried":
                 carried[op] = carried.get(op, 0) + 1
                 above_mk += op == "gemm_allreduce" and m == 96  # the suite's m=96 k=8 n=256 product: 96 KiB
+            big_shards[(m, took)] = big_shards.get((m, took), 0) + (op == "allgather_gemm" and m in (320, 1040))
     assert set(carried) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, carried
     assert above_mk, "no call above mk's 64 KiB limit was carried (the suite's m=96 k=8 n=256 gemm_allreduce)"
+    # the suite's fp32 shards of 320 x 1024 (1.25 MiB) and 1040 x 1024 (4.06 MiB), on every rank
+    assert big_shards.get((320, "carried")) == world and big_shards.get((1040, "collective")) == world, big_shards
     reps = [r.report() for r in results]
     for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "grad", "empty", "errors"):
         problems = failures_of(reps, family)
