@@ -15,7 +15,7 @@ def test_candidates_in_turn_until_each_is_timed() -> None:
     assert _C.tuner_pick(cands, [[], [], []]) == 2
     assert _C.tuner_pick(cands, [[1.0], [], []]) == 1
     assert _C.tuner_pick(cands, [[1.0], [1.0], []]) == 4
-    # one call short of the last round: still in turn (the fourth candidate of 3 x 3 calls is the third)
+    # one call short of 3 per candidate: still in turn (the ninth call goes to the third candidate)
     assert _C.tuner_pick(cands, [[1.0] * TRIALS, [1.0] * TRIALS, [1.0] * (TRIALS - 1)]) == 4
 
 
