@@ -480,25 +480,30 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     return gathered;
   };
   if (return_gathered) gathered_buffer();
+  // c from the whole `gathered`: one GEMM over all rows, or, when this rank's rows were multiplied early, one
+  // per other rank's block
+  auto multiply_gathered = [&] {
+    if (!own_done) {
+      prod->into(c, gathered);
+      return;
+    }
+    for (int j = 0; j < R; ++j) {
+      if (j == r) continue;
+      at::Tensor dst = c.narrow(0, j * m, m);
+      prod->into(dst, gathered.narrow(0, j * m, m));
+    }
+  };
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
-  if (ga.carried()) {  // every shard came with the agreement: one GEMM over all rows, as after an allgather
+  if (ga.carried()) {  // every shard came with the agreement: multiplied as after an allgather
     gathered_buffer();
     for (int q = 0; q < R; ++q) {
       at::Tensor dst = gathered.narrow(0, q * m, m);
-      if (q == r)
-        dst.copy_(a);
-      else
+      if (q != r)
         copy_bytes(dst.data_ptr(), ga.carried_from(q, dst.nbytes()), dst.nbytes());
+      else if (!own_done || return_gathered)  // (else this block is never read)
+        dst.copy_(a);
     }
-    if (!own_done) {
-      prod->into(c, gathered);
-    } else {
-      for (int j = 0; j < R; ++j) {  // the other ranks' rows (this rank's were multiplied during the exchange)
-        if (j == r) continue;
-        at::Tensor dst = c.narrow(0, j * m, m);
-        prod->into(dst, gathered.narrow(0, j * m, m));
-      }
-    }
+    multiply_gathered();
     return {c, return_gathered ? gathered : a.new_empty({0, k})};
   }
   if (R > 1 && !ring) {
@@ -531,15 +536,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     gathered_buffer();
     if (C == 1) {
       p.on_caller([&] { return p.allgather(a, gathered); }).wait();
-      if (!own_done) {
-        prod->into(c, gathered);
-      } else {
-        for (int j = 0; j < R; ++j) {  // the other ranks' rows (this rank's are done)
-          if (j == r) continue;
-          at::Tensor dst = c.narrow(0, j * m, m);
-          prod->into(dst, gathered.narrow(0, j * m, m));
-        }
-      }
+      multiply_gathered();
       return {c, return_gathered ? gathered : a.new_empty({0, k})};
     }
     std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -897,7 +894,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // j = rows of rank j's block (the reduce-scatter input); the reduce_scatter of chunk i overlaps the
   // products of chunk i+1. With sum_here the blocks go by alltoall as made, and the sum is formed here.
   std::vector<at::Tensor> stage(ranges.size()), got(ranges.size());
-  at::Tensor out = sum_here && half ? at::empty({mb, n}, a.options()) : acc_out;  // sum_here: the rounded sums
+  // sum_here (the products are half: so is the output): the rounded sums land here
+  at::Tensor out = sum_here ? at::empty({mb, n}, a.options()) : acc_out;
   p.overlap(
       int64_t(ranges.size()),
       [&](int64_t i) {
@@ -924,17 +922,17 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
         if (sum_here) {
           auto [lo, hi] = ranges[size_t(i)];
           auto part = [&](int q) { return got[size_t(i)].select(0, q); };
-          if (!half || !sum_half_in_rank_order(out.narrow(0, lo, hi - lo), R, part)) {
+          if (!sum_half_in_rank_order(out.narrow(0, lo, hi - lo), R, part)) {
             at::Tensor dst = acc_out.narrow(0, lo, hi - lo);
             sum_in_rank_order(dst, R, part);
-            if (half) out.narrow(0, lo, hi - lo).copy_(dst);
+            out.narrow(0, lo, hi - lo).copy_(dst);
           }
           got[size_t(i)] = at::Tensor();
         }
         stage[size_t(i)] = at::Tensor();
       },
       /*depth=*/int(ranges.size()) + 1);
-  if (sum_here && half) return out;
+  if (sum_here) return out;
   return half ? acc_out.to(a_in.scalar_type()) : acc_out;
 }
 
