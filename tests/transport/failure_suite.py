@@ -67,6 +67,26 @@ elif scenario == "peer_exit":
     attempt("again", lambda: dist.all_reduce(torch.ones(10)))
     report()
     os._exit(0)  # skip destroy: the group is broken
+elif scenario == "send_then_exit":
+    # rank 1 sends and leaves at once (its sends complete when the data is handed to the transport); rank 0
+    # looks only after it has gone: what was sent must still arrive whole, then the peer is reported gone
+    sizes = [4, 300_000, 1_100_000, 4_500_001]   # one frame, ..., beyond the shm ring and striped over tcp
+    if rank == 1:
+        for i, n in enumerate(sizes):
+            dist.send(torch.arange(n, dtype=torch.float32) + i, 0, tag=i)
+        dist.destroy_process_group()
+        os._exit(0)
+    time.sleep(1.0)
+    for i, n in enumerate(sizes):
+        def recv(i=i, n=n):
+            y = torch.empty(n)
+            dist.recv(y, 1, tag=i)
+            if not torch.equal(y, torch.arange(n, dtype=torch.float32) + i):
+                raise AssertionError(f"n={n}: wrong data")
+        attempt(f"recv{n}", recv)
+    attempt("after", lambda: dist.recv(torch.empty(3), 1, tag=9))
+    report()
+    os._exit(0)
 elif scenario == "timeout":
     dist.barrier()
     if rank == 1:

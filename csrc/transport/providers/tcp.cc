@@ -184,6 +184,7 @@ struct TcpProvider::Conn {
   std::string rma_error;                    // target: why the operation is refused (payload dropped)
   std::vector<char> scratch;                // operands, dropped payloads, error messages
   std::unique_ptr<Pending> reply;           // origin: the operation this reply finishes
+  bool closed = false;                      // the peer closed it cleanly, between frames (conn_closed)
 };
 
 struct TcpProvider::Peer {
@@ -198,6 +199,7 @@ struct TcpProvider::Peer {
   // progress thread only
   uint64_t next_match_seq = 0;
   std::map<uint64_t, std::unique_ptr<InMsg>> inbox;
+  size_t conns_closed = 0;  // sockets the peer closed cleanly (conn_closed)
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -499,7 +501,9 @@ void TcpProvider::on_readable(Conn& c) {
   while (true) {
     if (c.cur == nullptr && !c.rma) {
       ssize_t k = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(WireHeader) - c.hdr_got, 0);
-      if (k == 0) return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") closed the connection"));
+      if (k == 0 && c.hdr_got == 0) return conn_closed(c);
+      if (k == 0)
+        return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") closed the connection in the middle of a frame"));
       if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         if (errno == EINTR) continue;
@@ -538,7 +542,8 @@ void TcpProvider::on_readable(Conn& c) {
     }
     if (c.frag_left > 0) {
       ssize_t k = ::recv(c.fd, c.cur_dst, c.frag_left, 0);
-      if (k == 0) return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") closed the connection"));
+      if (k == 0)
+        return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") closed the connection in the middle of a frame"));
       if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         if (errno == EINTR) continue;
@@ -567,6 +572,26 @@ void TcpProvider::on_readable(Conn& c) {
       p.inbox.erase(seq);
     }
   }
+}
+
+void TcpProvider::conn_closed(Conn& c) {
+  // A peer that leaves closes its sockets one after the other once its sends have completed, which means
+  // once the kernel holds their data, not once we have read it: a large message striped over several
+  // sockets may still be arriving on one socket when another reports end-of-file. So a clean end of file
+  // (between frames) only retires this socket; the peer is failed when its last socket has closed, or at
+  // once if frames still wait to go out on this socket (nobody will read them). Operations waiting for an
+  // answer from the peer (RMA replies) fail with the peer.
+  Peer& p = *peers_[c.peer];
+  const std::string why = cat("peer ", c.peer, " (", p.addr, ") closed the connection");
+  if (c.closed) return;
+  c.closed = true;
+  epoll_ctl(epfd_, EPOLL_CTL_DEL, c.fd, nullptr);
+  bool needed;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    needed = !c.out.empty();
+  }
+  if (needed || ++p.conns_closed == p.conns.size()) peer_failed(c.peer, why);
 }
 
 void TcpProvider::peer_failed(int peer, const std::string& why) {

@@ -100,6 +100,8 @@ class TcpProvider final : public Provider {
   void queue_rma_frame(Peer& p, Frame f);
   void arm_write(Conn& c, bool on);
   void match_ready(Peer& p);
+  // Progress thread: the peer closed connection c between frames (end of file).
+  void conn_closed(Conn& c);
   void peer_failed(int peer, const std::string& why);
 
   const int rank_;
