@@ -167,6 +167,12 @@ def run_ops(large: bool) -> None:
         chunks = rnd.choice(CHUNKS)
         check("gemm_reducescatter", f"mb=256 k=5 n=1024 {dtype} chunks={chunks}",
               lambda: gemm_reducescatter_case(256, 5, 1024, dtype, chunks))
+    # half-type products of 1 MiB chunks: on Gloo two ranks sum them with the backend's allreduce in the half
+    # type (exactly the fp32 sum rounded once, checked with one chunk); with two chunks of 1024 and 1023 rows
+    # the first takes that allreduce, the second the gather (below 1 MiB)
+    for dtype in (torch.bfloat16, torch.float16):
+        check("gemm_allreduce", f"m=1024 k=4 n=512 {dtype} chunks=1", lambda: gemm_allreduce_case(1024, 4, 512, dtype, 1))
+        check("gemm_allreduce", f"m=2047 k=4 n=512 {dtype} chunks=2", lambda: gemm_allreduce_case(2047, 4, 512, dtype, 2))
     # a product above mk's 64 KiB carry limit, within the 256 KiB the GEMM ops carry on other backends
     check("gemm_allreduce", "m=96 k=8 n=256 float32 chunks=0", lambda: gemm_allreduce_case(96, 8, 256, torch.float32, 0))
     # 48 KiB to each peer: from 3 ranks on more than 64 KiB in all, which allgather_gemm and gemm_reducescatter
