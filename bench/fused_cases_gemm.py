@@ -41,6 +41,17 @@ def allgather_gemm_case(ctx: Context, m: int, k: int, n: int) -> Case:
 # mk's across hosts, which widens too); a product small enough to be carried travels as made (see Products
 # in csrc/kernels/gemm_collectives.cc).
 _HALF_PARTIALS = "fused sums fp32 partials (carried products as made)"
+# other backends, where oneDNN makes the product in the half type: the products travel as made and are summed
+# in fp32 on each rank (2 ranks: chunks of 1 MiB and more by the backend's half-type allreduce, the same sum)
+_HALF_PRODUCTS = "fused sends half products, sums them in fp32"
+
+
+def _half_note(ctx: Context) -> str:
+    if ctx.dtype == torch.float32:
+        return ""
+    from superkernel import _C
+    native = ctx.backend != "mk" and _C.half_gemm_native(str(ctx.dtype).split(".")[1])
+    return _HALF_PRODUCTS if native else _HALF_PARTIALS
 
 
 def gemm_allreduce_case(ctx: Context, m: int, k: int, n: int) -> Case:
@@ -53,7 +64,7 @@ def gemm_allreduce_case(ctx: Context, m: int, k: int, n: int) -> Case:
         dist.all_reduce(out, group=g)
         return out
 
-    note = "" if dt == torch.float32 else _HALF_PARTIALS
+    note = _half_note(ctx)
     return Case(op="gemm_allreduce", shape=_fmt(m, k, n, dt),
                 fused=lambda: mk.gemm_allreduce(a, b, g, chunks=ctx.chunks), unfused=unfused,
                 compute=lambda: a @ b, comm=lambda: dist.all_reduce(c, group=g), note=note,
@@ -72,7 +83,7 @@ def gemm_reducescatter_case(ctx: Context, m: int, k: int, n: int) -> Case:
         dist.reduce_scatter_tensor(out, c, group=g)
         return out
 
-    note = "" if dt == torch.float32 else _HALF_PARTIALS
+    note = _half_note(ctx)
     return Case(op="gemm_reducescatter", shape=_fmt(m, k, n, dt),
                 fused=lambda: mk.gemm_reducescatter(a, b, g, chunks=ctx.chunks), unfused=unfused,
                 compute=lambda: a @ b, comm=lambda: dist.reduce_scatter_tensor(out, full, group=g), note=note,
