@@ -574,6 +574,12 @@ void TcpProvider::on_readable(Conn& c) {
   }
 }
 
+void TcpProvider::unwatch(Conn& c) {
+  if (epoll_ctl(epfd_, EPOLL_CTL_DEL, c.fd, nullptr) != 0)
+    std::fprintf(stderr, "mk tcp: rank %d: epoll_ctl(DEL) of socket %d to peer %d failed: %s\n", rank_, c.index,
+                 c.peer, strerror(errno));
+}
+
 void TcpProvider::conn_closed(Conn& c) {
   // A peer that leaves closes its sockets one after the other once its sends have completed, which means
   // once the kernel holds their data, not once we have read it: a large message striped over several
@@ -581,11 +587,11 @@ void TcpProvider::conn_closed(Conn& c) {
   // (between frames) only retires this socket; the peer is failed when its last socket has closed, or at
   // once if frames still wait to go out on this socket (nobody will read them). Operations waiting for an
   // answer from the peer (RMA replies) fail with the peer.
-  Peer& p = *peers_[c.peer];
-  const std::string why = cat("peer ", c.peer, " (", p.addr, ") closed the connection");
   if (c.closed) return;
   c.closed = true;
-  epoll_ctl(epfd_, EPOLL_CTL_DEL, c.fd, nullptr);
+  unwatch(c);
+  Peer& p = *peers_[c.peer];
+  const std::string why = cat("peer ", c.peer, " (", p.addr, ") closed the connection");
   bool needed;
   {
     std::lock_guard<std::mutex> lock(c.mu);
@@ -609,7 +615,7 @@ void TcpProvider::peer_failed(int peer, const std::string& why) {
     for (auto& f : c->out)
       if (f.msg) sends.push_back(f.msg);
     c->out.clear();
-    epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
+    if (!c->closed) unwatch(*c);
     ::shutdown(c->fd, SHUT_RDWR);
     c->cur = nullptr;
   }

@@ -100,6 +100,8 @@ class TcpProvider final : public Provider {
   void queue_rma_frame(Peer& p, Frame f);
   void arm_write(Conn& c, bool on);
   void match_ready(Peer& p);
+  // Stop watching c's socket (epoll); a failure is reported on stderr.
+  void unwatch(Conn& c);
   // Progress thread: the peer closed connection c between frames (end of file).
   void conn_closed(Conn& c);
   void peer_failed(int peer, const std::string& why);
