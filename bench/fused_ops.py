@@ -108,7 +108,6 @@ class Concurrently:
             raise self._error
 
 
-TUNING_CALLS = 8   # 4 candidate chunk counts, each timed twice
 
 
 def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
@@ -136,9 +135,10 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
         fn()
     if tune and "fused" in fns and chunks == 0:
-        # the automatic chunk count times up to TUNING_CALLS candidates' calls first (csrc/kernels/pipeline.cc,
-        # Pipeline::chunks): measure the steady state a training loop sees, not the tuning
-        for _ in range(TUNING_CALLS):
+        # the automatic chunk count times up to 4 candidates on the calls first (csrc/kernels/pipeline.h,
+        # Tuner): measure the steady state a training loop sees, not the tuning
+        from superkernel import _C
+        for _ in range(_C.tuner_limits(4)["most_calls"]):
             fns["fused"]()
     _barrier(dist)
     t0 = time.perf_counter()

@@ -487,16 +487,27 @@ PYBIND11_MODULE(_C, m) {
         TORCH_CHECK(!candidates.empty() && seconds.size() == candidates.size(),
                     "tuner_pick: one list of timings per candidate");
         mk::kernels::Tuner t;
-        t.candidates = candidates;
-        t.seconds.assign(candidates.size(), {});
+        t.start(candidates);
         for (size_t i = 0; i < seconds.size(); ++i)
           for (double s : seconds[i]) t.record(candidates[i], s);
-        return t.next();
+        return std::make_pair(t.next(), t.done());
       },
       py::arg("candidates"), py::arg("seconds"),
-      "The chunk count the automatic tuner uses next after these timed calls (per candidate, in call order): "
-      "the candidates in turn until each was timed Tuner::kTrials times, then the lowest median "
-      "(kernels/pipeline.h).");
+      "(chunks, tuned): the chunk count the automatic tuner uses next after these calls (their durations per "
+      "candidate, in call order; each candidate's first is not timed), and whether tuning is over "
+      "(kernels/pipeline.h, Tuner).");
+
+  m.def(
+      "tuner_limits",
+      [](size_t candidates) {
+        using mk::kernels::Tuner;
+        return py::dict(py::arg("trials") = Tuner::kTrials, py::arg("final_trials") = Tuner::kFinalTrials,
+                        py::arg("drop_ratio") = Tuner::kDropRatio,
+                        py::arg("most_calls") = Tuner::most_calls(candidates));
+      },
+      py::arg("candidates") = 4,
+      "The automatic chunk tuner's constants, and the most calls tuning that many candidates takes (up to 4 "
+      "in Pipeline::chunks).");
 
   m.def(
       "copy_bytes",

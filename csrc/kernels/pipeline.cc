@@ -401,35 +401,79 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   // The model cannot see how much CPU the communication itself needs (shm copies, TCP at 10 Gbit/s on a
   // small machine): then overlap gains less and chunking may cost more than it saves. So the automatic
   // count is tuned per (group, op, shape) on the calls themselves: the modelled count, its neighbours and 1
-  // are each timed Tuner::kTrials times in turn, then the lowest median is kept (rank 0's proposal is the one
-  // every rank uses).
+  // are timed in turn (see Tuner), then the lowest median is kept (rank 0's proposal is the one every rank
+  // uses).
   std::lock_guard<std::mutex> lock(states_mu());
   auto& tuners = state_of(g_).tuners;
   Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi)];
   if (t.candidates.empty()) {
+    std::vector<int64_t> cands;
     for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
-      if (std::find(t.candidates.begin(), t.candidates.end(), v) == t.candidates.end()) t.candidates.push_back(v);
-    t.seconds.assign(t.candidates.size(), {});
+      if (std::find(cands.begin(), cands.end(), v) == cands.end()) cands.push_back(v);
+    t.start(std::move(cands));
   }
   tuner_ = &t;
   return t.next();
 }
 
+namespace {
+double median_of(std::vector<double> v) {
+  if (v.empty()) return std::numeric_limits<double>::infinity();
+  const size_t h = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + h, v.end());
+  if (v.size() % 2) return v[h];
+  return (v[h] + *std::max_element(v.begin(), v.begin() + h)) / 2;
+}
+}  // namespace
+
+void Tuner::start(std::vector<int64_t> cands) {
+  candidates = std::move(cands);
+  calls.assign(candidates.size(), 0);
+  seconds.assign(candidates.size(), {});
+}
+
+bool Tuner::first_round_done() const {
+  for (const auto& s : seconds)
+    if (s.size() < kTrials) return false;
+  return true;
+}
+
+// Decided on each candidate's first kTrials timed calls (so a drop never changes later).
+bool Tuner::dropped(size_t i) const {
+  if (!first_round_done()) return false;
+  auto first = [&](size_t c) {
+    return median_of(std::vector<double>(seconds[c].begin(), seconds[c].begin() + kTrials));
+  };
+  double best = std::numeric_limits<double>::infinity();
+  for (size_t c = 0; c < candidates.size(); ++c) best = std::min(best, first(c));
+  return first(i) > kDropRatio * best;
+}
+
+size_t Tuner::wanted(size_t i) const {
+  const size_t goal = !first_round_done() ? kTrials : dropped(i) ? 0 : kFinalTrials;
+  return seconds[i].size() < goal ? goal - seconds[i].size() : 0;
+}
+
+bool Tuner::done() const {
+  for (size_t i = 0; i < candidates.size(); ++i)
+    if (wanted(i) > 0) return false;
+  return true;
+}
+
 int64_t Tuner::next() const {
   if (candidates.empty()) return 1;
-  if (!done()) return candidates[trials % candidates.size()];
-  auto median = [](std::vector<double> v) {
-    if (v.empty()) return std::numeric_limits<double>::infinity();
-    const size_t h = v.size() / 2;
-    std::nth_element(v.begin(), v.begin() + h, v.end());
-    if (v.size() % 2) return v[h];
-    return (v[h] + *std::max_element(v.begin(), v.begin() + h)) / 2;
-  };
-  size_t best = 0;
-  double best_median = median(seconds[0]);
-  for (size_t i = 1; i < candidates.size(); ++i) {
-    const double m = median(seconds[i]);
-    if (m < best_median || (m == best_median && candidates[i] < candidates[best])) {
+  if (!done()) {
+    size_t pick = candidates.size();
+    for (size_t i = 0; i < candidates.size(); ++i)
+      if (wanted(i) > 0 && (pick == candidates.size() || calls[i] < calls[pick])) pick = i;
+    return candidates[pick];
+  }
+  size_t best = candidates.size();
+  double best_median = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (dropped(i)) continue;
+    const double m = median_of(seconds[i]);
+    if (best == candidates.size() || m < best_median || (m == best_median && candidates[i] < candidates[best])) {
       best = i;
       best_median = m;
     }
@@ -441,8 +485,8 @@ void Tuner::record(int64_t chunks, double secs) {
   auto it = std::find(candidates.begin(), candidates.end(), chunks);
   if (it == candidates.end() || done()) return;
   // (rank 0's proposal is what every rank uses, so a call may have used another candidate than next() gave)
-  seconds[size_t(it - candidates.begin())].push_back(secs);
-  ++trials;
+  const size_t i = size_t(it - candidates.begin());
+  if (calls[i]++ > 0) seconds[i].push_back(secs);
 }
 
 bool Pipeline::one_host() const {
@@ -465,7 +509,12 @@ void Pipeline::record_timing() {
   if (!tuner_ || chunks_used_ <= 0 || std::uncaught_exceptions() > 0) return;
   const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
   std::lock_guard<std::mutex> lock(states_mu());
+  const bool tuning = !tuner_->done();
   tuner_->record(chunks_used_, secs);
+  if (!tuning || !tracing()) return;
+  std::string line = c10::str("tuner: chunks=", chunks_used_, " took ", secs * 1e3, " ms");
+  if (tuner_->done()) line += c10::str("; tuned, using chunks=", tuner_->next());
+  emit_trace(line);
 }
 
 Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) { return p2p(t, peer, slot, false); }

@@ -72,20 +72,37 @@ class Pending {
   std::shared_ptr<State> state_;
 };
 
-// Automatic chunk counts of one (group, op, shape): candidates, each timed on kTrials real calls (in turn),
-// then the one with the lowest median is kept (ties: the fewer chunks). The median, not the fastest call: two
-// namespace hosts at 1 Gbit/s, Gloo, fp16 allgather_gemm 512^3, 120 interleaved calls each, 1/2/4 chunks had
-// fastest calls of 6.07/5.93/6.32 ms and medians of 7.86/8.14/9.61 ms; the fastest of two calls picked 4 (the
-// op's median 10.9 ms against 9.1 with 1 chunk in the benchmark).
+// Automatic chunk counts of one (group, op, shape): candidates, timed on real calls in turn, then the one with
+// the lowest median is kept (ties: the fewer chunks). Each candidate's first call is not timed (it allocates
+// and pays cold caches: 23 ms against 4-6 ms for the calls after it, Gloo fp16 gemm_allreduce 512^3 with 4
+// chunks between two namespace hosts). After kTrials timed calls each, a candidate whose median is above
+// kDropRatio times the best is dropped; the others are timed until each has kFinalTrials. Three calls each
+// were too few on a shared VM: the same benchmark row (Gloo fp16 gemm_allreduce 512^3, the machine's noise
+// 2-6%) picked 4 chunks once (0.73x of unfused) and 1 chunk another time (0.91x), whose medians of 40
+// interleaved calls were 6.91 and 6.55 ms. The median, not the fastest call: two namespace hosts at 1 Gbit/s,
+// Gloo, fp16 allgather_gemm 512^3, 120 interleaved calls each, 1/2/4 chunks had fastest calls of
+// 6.07/5.93/6.32 ms and medians of 7.86/8.14/9.61 ms; the fastest of two calls picked 4 (the op's median 10.9
+// ms against 9.1 with 1 chunk in the benchmark).
 struct Tuner {
-  static constexpr size_t kTrials = 3;
+  static constexpr size_t kTrials = 3;       // timed calls per candidate before the slow ones are dropped
+  static constexpr size_t kFinalTrials = 7;  // timed calls per remaining candidate before the choice
+  static constexpr double kDropRatio = 1.25;
   std::vector<int64_t> candidates;
-  std::vector<std::vector<double>> seconds;  // the calls timed per candidate
-  size_t trials = 0;                         // calls timed so far (all candidates)
-  bool done() const { return trials >= kTrials * candidates.size(); }
-  // The candidate to use next: in turn while tuning, then the one with the lowest median.
+  std::vector<size_t> calls;                 // calls per candidate (its first, untimed, included)
+  std::vector<std::vector<double>> seconds;  // the timed calls per candidate
+  void start(std::vector<int64_t> cands);
+  bool done() const;
+  // The candidate to use next: while tuning, the one still to be timed with the fewest calls (the first on
+  // ties, so in turn), then the one with the lowest median.
   int64_t next() const;
   void record(int64_t chunks, double secs);
+  // The most calls tuning `n` candidates takes.
+  static size_t most_calls(size_t n) { return n * (1 + kFinalTrials); }
+
+ private:
+  bool first_round_done() const;
+  bool dropped(size_t i) const;
+  size_t wanted(size_t i) const;  // timed calls candidate i still needs
 };
 
 // Cost model inputs for the automatic chunk count.
@@ -280,8 +297,8 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::stri
 // `other_most`: the most to one peer, on other backends (gemm_allreduce and gemm_reducescatter pass
 // kCarryMaxOther, 256 KiB: on Gloo between 2 namespace hosts at 1 Gbit/s, 128x256x256 gemm_allreduce went
 // from 0.33x of unfused to 1.18x and allgather_gemm from 0.83x to 1.00x; the agreement's messages then carry
-// what Gloo's own collective would have sent, one exchange instead of two; allgather_gemm passes
-// kCarryMaxGather, 4 MiB, see there).
+// what Gloo's own collective would have sent, one exchange instead of two; gemm_allreduce on two ranks
+// passes 512 KiB, allgather_gemm kCarryMaxGather, 4 MiB, see there).
 //
 // The default total, by what the direct sends to every peer cost against the op's unfused exchange:
 enum class CarryTotal {

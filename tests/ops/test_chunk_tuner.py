@@ -1,36 +1,98 @@
 """The automatic chunk count's tuner (csrc/kernels/pipeline.h, Tuner): each candidate is timed on real calls in
-turn, then the one with the lowest median time is used. Checked through superkernel._C.tuner_pick, which runs
-the tuner's own code on given timings."""
+turn (its first call untimed), the clearly slower ones are dropped after a first round, the rest are timed
+further, then the one with the lowest median time is used. Checked through superkernel._C.tuner_pick, which
+runs the tuner's own code on given call durations and returns (next chunk count, tuned)."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from superkernel import _C
 
-TRIALS = 3  # Tuner::kTrials
+LIMITS = _C.tuner_limits(4)
+TRIALS, FINAL, DROP = LIMITS["trials"], LIMITS["final_trials"], LIMITS["drop_ratio"]
 
 
-def test_candidates_in_turn_until_each_is_timed() -> None:
+def test_limits_are_what_the_tests_below_assume() -> None:
+    assert 2 <= TRIALS < FINAL and DROP > 1.0
+    assert LIMITS["most_calls"] == 4 * (1 + FINAL)
+
+
+def test_candidates_in_turn_and_first_calls_untimed() -> None:
     cands = [2, 1, 4]
-    assert _C.tuner_pick(cands, [[], [], []]) == 2
-    assert _C.tuner_pick(cands, [[1.0], [], []]) == 1
-    assert _C.tuner_pick(cands, [[1.0], [1.0], []]) == 4
-    # one call short of 3 per candidate: still in turn (the ninth call goes to the third candidate)
-    assert _C.tuner_pick(cands, [[1.0] * TRIALS, [1.0] * TRIALS, [1.0] * (TRIALS - 1)]) == 4
+    assert _C.tuner_pick(cands, [[], [], []]) == (2, False)
+    assert _C.tuner_pick(cands, [[1.0], [], []]) == (1, False)
+    assert _C.tuner_pick(cands, [[1.0], [1.0], []]) == (4, False)
+    # every candidate's first call does not count: TRIALS calls each leave the last one short
+    one_short = [[1.0] * TRIALS] * 3
+    assert _C.tuner_pick(cands, one_short) == (2, False)
+    # FINAL calls each are FINAL - 1 timed ones: not tuned yet; one more each ends it
+    assert _C.tuner_pick(cands, [[1.0] * FINAL] * 3) == (2, False)
+    assert _C.tuner_pick(cands, [[1.0] * (FINAL + 1)] * 3) == (1, True)
+    # one timed call short of the first round for the third candidate: its turn
+    assert _C.tuner_pick(cands, [[1.0] * (TRIALS + 1), [1.0] * (TRIALS + 1), [1.0] * TRIALS]) == (4, False)
+
+
+def test_a_slow_first_call_does_not_count() -> None:
+    """The measured shape (Gloo fp16 gemm_allreduce 512^3 between two namespace hosts): 4 chunks' first call
+    took 23 ms, its later ones 4-6 ms; a tuner that timed it picked against it."""
+    cands = [1, 4]
+    later = [4.8e-3] * (FINAL // 2 + 1) + [5.2e-3] * (FINAL - FINAL // 2 - 1)  # median 4.8 ms
+    secs = [[6e-3] + [5.0e-3] * FINAL, [23e-3] + later]
+    # (counting the 23 ms call would make 4 chunks' median 5.0 ms, a tie that goes to 1 chunk)
+    assert _C.tuner_pick(cands, secs) == (4, True)
+
+
+def test_clearly_slower_candidates_are_dropped_after_the_first_round() -> None:
+    cands = [2, 1, 4]
+    first = [[9e-3] + [5e-3] * TRIALS, [9e-3] + [5.5e-3] * TRIALS, [9e-3] + [5e-3 * DROP * 1.1] * TRIALS]
+    # the third is dropped: only the first two are timed on, in turn, and the third is never chosen
+    assert _C.tuner_pick(cands, first) == (2, False)
+    secs = [row[:] for row in first]
+    for _ in range(FINAL - TRIALS):
+        for i in (0, 1):
+            assert _C.tuner_pick(cands, secs)[0] == cands[i]
+            secs[i].append(5e-3 if i == 0 else 5.5e-3)
+    assert _C.tuner_pick(cands, secs) == (2, True)
+    # a candidate within the ratio stays and is timed to the end
+    close = [[9e-3] + [5e-3] * TRIALS, [9e-3] + [5e-3 * DROP * 0.95] * TRIALS]
+    assert _C.tuner_pick([1, 2], close) == (1, False)
 
 
 def test_lowest_median_not_fastest_call() -> None:
     """The shape of a measured case (Gloo between two namespace hosts, fp16 allgather_gemm 512^3): the
     candidate with the fastest single call has the worse typical time."""
     cands = [1, 2, 4]
-    secs = [[7.9e-3, 7.8e-3, 8.0e-3], [5.9e-3, 8.2e-3, 8.1e-3], [6.3e-3, 9.6e-3, 9.0e-3]]
-    assert _C.tuner_pick(cands, secs) == 1
-    secs[2] = [7.0e-3, 7.1e-3, 20.0e-3]  # one slow outlier does not disqualify a candidate
-    assert _C.tuner_pick(cands, secs) == 4
+    secs = [[9e-3] + [7.9e-3, 7.8e-3, 8.0e-3, 7.9e-3, 8.1e-3, 7.8e-3, 8.0e-3],
+            [9e-3] + [5.9e-3, 8.2e-3, 8.1e-3, 8.3e-3, 8.2e-3, 8.4e-3, 8.1e-3],
+            [9e-3] + [6.3e-3, 9.0e-3, 9.1e-3, 9.6e-3, 9.0e-3, 8.9e-3, 9.2e-3]]
+    assert _C.tuner_pick(cands, [s[:1 + FINAL] for s in secs]) == (1, True)
+    secs[2] = [9e-3] + [7.0e-3, 7.1e-3, 20.0e-3, 7.0e-3, 7.2e-3, 30e-3, 7.1e-3]  # outliers do not disqualify
+    assert _C.tuner_pick(cands, [s[:1 + FINAL] for s in secs]) == (4, True)
 
 
 def test_equal_medians_take_fewer_chunks() -> None:
-    assert _C.tuner_pick([4, 1, 2], [[5e-3] * TRIALS] * 3) == 1
+    assert _C.tuner_pick([4, 1, 2], [[5e-3] * (1 + FINAL)] * 3) == (1, True)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_calls_finish_within_the_bound_and_find_the_faster(seed: int) -> None:
+    """Calls made in the order the tuner asks for, each candidate's time drawn with 30% noise and a rare
+    3x outlier: tuning ends within most_calls, and the candidate 20% faster than the rest wins."""
+    rng = random.Random(seed)
+    cands = [2, 1, 4, 8]
+    typical = {2: 5e-3, 1: 6e-3, 4: 6e-3, 8: 7e-3}
+    secs: list[list[float]] = [[] for _ in cands]
+    for _ in range(LIMITS["most_calls"]):
+        chunks, tuned = _C.tuner_pick(cands, secs)
+        if tuned:
+            break
+        noise = 3.0 if rng.random() < 0.05 else rng.uniform(0.85, 1.15)
+        secs[cands.index(chunks)].append(typical[chunks] * noise)
+    chunks, tuned = _C.tuner_pick(cands, secs)
+    assert tuned, f"not tuned after {LIMITS['most_calls']} calls: {secs}"
+    assert chunks == 2, secs
 
 
 def test_rejects_mismatched_timings() -> None:
