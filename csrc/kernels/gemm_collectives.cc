@@ -23,8 +23,9 @@
 // The rings across hosts need blocks of at least SUPERKERNEL_OPS_RING_MIN_ROWS rows (64; m for allgather_gemm,
 // m / R for the other two): below that the ops take the collective path (one GEMM, then mk's collective).
 // Smaller still (see CarryLimit: at most 64 KiB to a peer on mk, 256 KiB on other CPU backends, 4 MiB for
-// allgather_gemm's shard there, which its own rows' product then hides; in all, that
-// for gemm_allreduce, whose direct sends cost more than its ring, and R - 1 times that for the other two,
+// allgather_gemm's shard there, which its own rows' product then hides, 512 KiB for gemm_allreduce's product
+// on two ranks, kPairCarryBytes; in all, that for gemm_allreduce, whose direct sends to more than one peer
+// cost more than its ring, and R - 1 times that for the other two,
 // whose direct sends are what their collective sends), with an automatic chunk count, the payload travels
 // inside the argument agreement's messages (allgather_gemm its shard, the other two their partial products,
 // computed first), so the call makes one exchange, not two.
@@ -170,6 +171,14 @@ bool sum_half_in_rank_order(const at::Tensor& out, int R, Part part) {
 // Two ranks summing here (gemm_allreduce): chunks of products at least this large are summed by the backend's
 // allreduce in the half type, smaller ones are gathered (see gemm_allreduce).
 constexpr size_t kPairAllreduceBytes = size_t(1) << 20;
+// Two ranks (gemm_allreduce): the whole product to the one peer is what a ring allreduce sends (m n each way),
+// so products up to this size travel inside the agreement on other backends (CarryTotal::one_peer keeps larger
+// groups at kCarryMaxOther): one exchange instead of the agreement's and then the collective's. Gloo between
+// 2 namespace hosts at 1 Gbit/s, medians of 40 interleaved calls in one process, two runs, ms (unfused;
+// carried; one chunk after the agreement): fp16 512^3 4.58, 6.08; 4.05, 4.99; 4.82, 5.68. bf16 7.47, 6.20;
+// 6.19, 6.24; 7.10, 7.83. fp32 256x512x512 3.73, 4.05; 4.13, 4.25; 4.88, 4.59. At 1 MiB carrying lost (fp16
+// 1024x512x512: 11.43, 11.58 against one chunk's 11.42, 11.03; fp32 512^3: 9.84, 9.70 against 9.45, 9.59).
+constexpr size_t kPairCarryBytes = size_t(512) << 10;
 
 bool sums_here(const Group& g, at::ScalarType acc_t, at::ScalarType made_t, int most_ranks = 1 << 30) {
   return !g.is_mk() && g.device.is_cpu() && made_t != acc_t && g.size > 1 && g.size <= most_ranks;
@@ -631,7 +640,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (err.empty()) err = rr.problem;
   const bool ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
   model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
-  const CarryLimit cl = carry_limit(p, CarryTotal::one_peer, kCarryMaxOther);
+  const CarryLimit cl = carry_limit(p, CarryTotal::one_peer, R == 2 ? kPairCarryBytes : kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc, term;  // term: this rank's product as it travels (acc, or as made when sum_here)

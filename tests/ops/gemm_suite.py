@@ -175,6 +175,12 @@ def run_ops(large: bool) -> None:
         check("gemm_allreduce", f"m=2047 k=4 n=512 {dtype} chunks=2", lambda: gemm_allreduce_case(2047, 4, 512, dtype, 2))
     # a product above mk's 64 KiB carry limit, within the 256 KiB the GEMM ops carry on other backends
     check("gemm_allreduce", "m=96 k=8 n=256 float32 chunks=0", lambda: gemm_allreduce_case(96, 8, 256, torch.float32, 0))
+    # two ranks on other backends carry gemm_allreduce's product up to 512 KiB (kPairCarryBytes): 384 KiB of
+    # fp16 and 512 KiB of fp32 travel in the agreement, 514 KiB of fp32 does not
+    check("gemm_allreduce", "m=384 k=8 n=512 float16 chunks=0",
+          lambda: gemm_allreduce_case(384, 8, 512, torch.float16, 0))
+    check("gemm_allreduce", "m=256 k=8 n=512 float32 chunks=0", lambda: gemm_allreduce_case(256, 8, 512, torch.float32, 0))
+    check("gemm_allreduce", "m=257 k=8 n=512 float32 chunks=0", lambda: gemm_allreduce_case(257, 8, 512, torch.float32, 0))
     # 48 KiB to each peer: from 3 ranks on more than 64 KiB in all, which allgather_gemm and gemm_reducescatter
     # carry across hosts and gemm_allreduce does not (pipeline.h's CarryTotal)
     check("allgather_gemm", "m=96 k=128 n=24 float32 chunks=0",

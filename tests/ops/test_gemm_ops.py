@@ -309,13 +309,14 @@ def test_small_calls_carried(world: int) -> None:
 def test_gloo_small_calls_carried(world: int) -> None:
     """On Gloo the agreement's messages are the backend's send/recv, each receive posted 4 MiB past the descriptor,
     so every call under the GEMM ops' rule there (an automatic chunk count, at most 256 KiB to a peer, allgather_gemm
-    4 MiB, and gemm_allreduce at most that in all) carries its payload, from its first call and whatever earlier
+    4 MiB, and gemm_allreduce at most that in all, or 512 KiB on two ranks) carries its payload, from its first call and whatever earlier
     calls sent; every other call takes the collective path. Some carried calls are above mk's 64 KiB, an
     allgather_gemm shard above 256 KiB is carried and one above 4 MiB is not; results match the float64 reference,
     are the same bytes on every rank, and the errors are raised on every rank with the group usable after them."""
     results = _gloo_carry.results(world, "gloo", ["--errors"])
     carried: dict[str, int] = {}
     big_shards: dict[tuple[int, str], int] = {}
+    pair_products: dict[tuple[int, str], int] = {}  # the suite's fp32 m=256/257 k=8 n=512 gemm_allreduce
     above_mk = 0
     for res in results:
         for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, world, over_tcp=True, min_rows=64,
@@ -325,10 +326,15 @@ def test_gloo_small_calls_carried(world: int) -> None:
                 carried[op] = carried.get(op, 0) + 1
                 above_mk += op == "gemm_allreduce" and m == 96  # the suite's m=96 k=8 n=256 product: 96 KiB
             big_shards[(m, took)] = big_shards.get((m, took), 0) + (op == "allgather_gemm" and m in (320, 1040))
+            if op == "gemm_allreduce" and per_peer == m * 512 * 4 and m in (256, 257):
+                pair_products[(m, took)] = pair_products.get((m, took), 0) + 1
     assert set(carried) == {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter"}, carried
     assert above_mk, "no call above mk's 64 KiB limit was carried (the suite's m=96 k=8 n=256 gemm_allreduce)"
     # the suite's fp32 shards of 320 x 1024 (1.25 MiB) and 1040 x 1024 (4.06 MiB), on every rank
     assert big_shards.get((320, "carried")) == world and big_shards.get((1040, "collective")) == world, big_shards
+    # two ranks carry gemm_allreduce's product up to 512 KiB (kPairCarryBytes), more ranks 256 KiB in all
+    assert pair_products == ({(256, "carried"): 2, (257, "collective"): 2} if world == 2
+                             else {(256, "collective"): world, (257, "collective"): world}), pair_products
     reps = [r.report() for r in results]
     for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "grad", "empty", "errors"):
         problems = failures_of(reps, family)
