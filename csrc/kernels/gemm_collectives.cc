@@ -18,8 +18,9 @@
 //       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk across hosts a ring of partial sums
 //       over the transport (see ring_reducescatter). On mk on one host, the products of every block are
 //       written straight into the staging slots and each rank reduces its block from them. On other
-//       backends each chunk takes the same rows from every rank's block, so its reduce-scatter leaves this
-//       rank's rows of that chunk; the reduce-scatter of chunk i overlaps the products of chunk i+1.
+//       backends each chunk takes the same rows from every rank's block: on CPU (Gloo) an alltoall brings
+//       this rank its rows of that chunk from every rank, summed here in rank order; on accelerators the
+//       backend's reduce-scatter leaves them; chunk i's exchange overlaps the products of chunk i+1.
 // The rings across hosts need blocks of at least SUPERKERNEL_OPS_RING_MIN_ROWS rows (64; m for allgather_gemm,
 // m / R for the other two): below that the ops take the collective path (one GEMM, then mk's collective).
 // Smaller still (see CarryLimit: at most 64 KiB to a peer on mk, 256 KiB on other CPU backends, 4 MiB for
@@ -165,15 +166,19 @@ bool sum_half_in_rank_order(const at::Tensor& out, int R, Part part) {
 // blocks either way, in half the bytes), gemm_allreduce gathers every rank's product ((R - 1) m n half
 // elements against a ring's 2 (R - 1) / R m n fp32 ones: no more up to 4 ranks, `most_ranks`).
 // In a cluster whose processors differ (oneDNN bf16/fp16 on some hosts, operands widened on others, or
-// SUPERKERNEL_OPS_WIDEN_HALF set on some ranks), a rank that widens makes fp32 products and runs the collective
-// on them: the agreement carries every rank's product type ("half_products"), and if any rank does not sum
-// here, none does (an alltoall/allgather on some ranks against a reduce-scatter/allreduce on others would hang).
+// SUPERKERNEL_OPS_WIDEN_HALF set on some ranks), a rank that widens makes fp32 products: the agreement carries
+// every rank's product type ("half_products"), and if any rank does not sum here, none does (an allgather on
+// some ranks against an allreduce on others would hang): gemm_allreduce then allreduces fp32 everywhere, and
+// gemm_reducescatter (which sums fp32 products here too) sends fp32 blocks everywhere.
 // Two ranks summing here (gemm_allreduce): chunks of products at least this large are summed by the backend's
 // allreduce in the half type, smaller ones are gathered (see gemm_allreduce).
 constexpr size_t kPairAllreduceBytes = size_t(1) << 20;
-// Two ranks (gemm_allreduce): the whole product to the one peer is what a ring allreduce sends (m n each way),
-// so products up to this size travel inside the agreement on other backends (CarryTotal::one_peer keeps larger
-// groups at kCarryMaxOther): one exchange instead of the agreement's and then the collective's. Gloo between
+// Two ranks: gemm_allreduce's whole product to the one peer is what a ring allreduce sends (m n each way), and
+// gemm_reducescatter's block what its reduce-scatter sends, so up to this size they travel inside the agreement
+// on other backends (larger groups keep kCarryMaxOther; for gemm_allreduce, CarryTotal::one_peer): one exchange
+// instead of the agreement's and then the collective's. gemm_reducescatter fp32 512^3 (a 512 KiB block):
+// 5.86, 5.49 ms against 10.47, 9.92 with one chunk through Gloo's reduce-scatter (unfused 8.85), and 5.84
+// against 6.54 through the alltoall that replaced it (fp16 1024x512x512: 7.19 against 8.69). Gloo between
 // 2 namespace hosts at 1 Gbit/s, medians of 40 interleaved calls in one process, two runs, ms (unfused;
 // carried; one chunk after the agreement): fp16 512^3 4.58, 6.08; 4.05, 4.99; 4.82, 5.68. bf16 7.47, 6.20;
 // 6.19, 6.24; 7.10, 7.83. fp32 256x512x512 3.73, 4.05; 4.13, 4.25; 4.88, 4.59. At 1 MiB carrying lost (fp16
@@ -803,9 +808,14 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
   const int64_t mb = m >= 0 ? m / R : 0;
   const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
-  bool sum_here = sums_here(g, acc_t, made_t);  // (until a rank that makes fp32 says no)
+  // Other backends on CPU: every rank's block goes to its rank by alltoall and is summed there, in rank order
+  // (sums_here), fp32 products too: Gloo's reduce-scatter sent more than its allreduce of the same tensor (2
+  // namespace hosts at 1 Gbit/s, 2 ranks, 1 MiB of fp32: 6.1 ms against 5.5), where the alltoall sends each
+  // peer its block once. Half-type products travel as made unless a rank makes fp32 ones (then every rank
+  // sends fp32).
+  const bool sum_here = !g.is_mk() && g.device.is_cpu() && R > 1;
   const bool made_half = made_t != acc_t;
-  at::ScalarType stage_t = sum_here ? made_t : acc_t;  // what the partial sums travel as
+  at::ScalarType stage_t = sums_here(g, acc_t, made_t) ? made_t : acc_t;  // what the partial sums travel as
   ChunkModel model;
   model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(stage_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
@@ -817,7 +827,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool ring = rr.pays(mb);
-  const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, kCarryMaxOther);
+  const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, R == 2 ? kPairCarryBytes : kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc_out, full;
@@ -870,10 +880,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
   const bool all_half = ga.extra_min(1) != 0;  // every rank makes its products in the half type
-  if (sum_here && !all_half) {  // a rank made fp32 products (see sums_here): reduce-scatter fp32
-    sum_here = false;
-    stage_t = acc_t;
-  }
+  if (!all_half) stage_t = acc_t;  // a rank made fp32 products (see sums_here): every rank sends fp32
   // offered but not carried, or made early for the alltoall where a reduce-scatter won: widened
   if (full.defined() && full.scalar_type() != stage_t) full = full.to(stage_t);
   const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
@@ -916,10 +923,10 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   // Other backends, and mk on one host: one staging buffer per chunk, [R, rows_i, n], block
   // j = rows of rank j's block (the reduce-scatter input); the reduce_scatter of chunk i overlaps the
-  // products of chunk i+1. With sum_here the blocks go by alltoall as made, and the sum is formed here.
+  // products of chunk i+1. With sum_here the blocks go by alltoall, and the sum is formed here.
   std::vector<at::Tensor> stage(ranges.size()), got(ranges.size());
-  // sum_here (the products are half: so is the output): the rounded sums land here
-  at::Tensor out = sum_here ? at::empty({mb, n}, a.options()) : acc_out;
+  // half types summed here: the rounded sums land here
+  at::Tensor out = sum_here && half ? at::empty({mb, n}, a.options()) : acc_out;
   p.overlap(
       int64_t(ranges.size()),
       [&](int64_t i) {
@@ -949,14 +956,14 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
           if (!sum_half_in_rank_order(out.narrow(0, lo, hi - lo), R, part)) {
             at::Tensor dst = acc_out.narrow(0, lo, hi - lo);
             sum_in_rank_order(dst, R, part);
-            out.narrow(0, lo, hi - lo).copy_(dst);
+            if (!out.is_same(acc_out)) out.narrow(0, lo, hi - lo).copy_(dst);
           }
           got[size_t(i)] = at::Tensor();
         }
         stage[size_t(i)] = at::Tensor();
       },
       /*depth=*/int(ranges.size()) + 1);
-  if (sum_here) return out;
+  if (!out.is_same(acc_out)) return out;
   return half ? acc_out.to(a_in.scalar_type()) : acc_out;
 }
 

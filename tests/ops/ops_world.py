@@ -65,7 +65,7 @@ def without_rule_changes(stderr: str) -> str:
 
 GLOO_GEMM_CARRY_BYTES = 256 << 10  # kCarryMaxOther: gemm_allreduce's and gemm_reducescatter's limit on other backends
 GLOO_GATHER_CARRY_BYTES = 4 << 20  # kCarryMaxGather: allgather_gemm's there
-GLOO_PAIR_CARRY_BYTES = 512 << 10  # kPairCarryBytes: gemm_allreduce's there on two ranks
+GLOO_PAIR_CARRY_BYTES = 512 << 10  # kPairCarryBytes: gemm_allreduce's and gemm_reducescatter's there on two ranks
 
 
 def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
@@ -80,7 +80,7 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS,
     64 by default), gemm_allreduce's when moreover R divides m (m > 0), allgather_gemm's shard has ``min_rows``
     rows. With every peer on this host: the collective paths. ``gloo``: the rules on Gloo with CPU tensors (and the
-    board off): carried as over TCP but with 256 KiB to a peer (allgather_gemm 4 MiB, gemm_allreduce on two ranks
+    board off): carried as over TCP but with 256 KiB to a peer (allgather_gemm 4 MiB, the other two on two ranks
     512 KiB), otherwise the collective path (no rings)."""
     calls = []
     stderr = without_rule_changes(stderr)
@@ -101,7 +101,7 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
             want_ring = m > 0 and m % world == 0 and m // world >= min_rows
             per_peer = m * n * product_bytes
         most = (CARRY_BYTES if not gloo else GLOO_GATHER_CARRY_BYTES if op == "allgather_gemm"
-                else GLOO_PAIR_CARRY_BYTES if op == "gemm_allreduce" and world == 2 else GLOO_GEMM_CARRY_BYTES)
+                else GLOO_PAIR_CARRY_BYTES if world == 2 else GLOO_GEMM_CARRY_BYTES)
         total = most if op == "gemm_allreduce" else (world - 1) * most
         want_carried = (carry and world > 1 and chunks == "automatic" and 0 < per_peer <= most
                         and (world - 1) * per_peer <= total)

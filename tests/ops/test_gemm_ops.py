@@ -309,7 +309,7 @@ def test_small_calls_carried(world: int) -> None:
 def test_gloo_small_calls_carried(world: int) -> None:
     """On Gloo the agreement's messages are the backend's send/recv, each receive posted 4 MiB past the descriptor,
     so every call under the GEMM ops' rule there (an automatic chunk count, at most 256 KiB to a peer, allgather_gemm
-    4 MiB, and gemm_allreduce at most that in all, or 512 KiB on two ranks) carries its payload, from its first call and whatever earlier
+    4 MiB, and gemm_allreduce at most that in all; 512 KiB to the peer on two ranks) carries its payload, from its first call and whatever earlier
     calls sent; every other call takes the collective path. Some carried calls are above mk's 64 KiB, an
     allgather_gemm shard above 256 KiB is carried and one above 4 MiB is not; results match the float64 reference,
     are the same bytes on every rank, and the errors are raised on every rank with the group usable after them."""
