@@ -447,6 +447,21 @@ py::dict window_fast_ops(const py::object& self) {
   return ops;
 }
 
+// A tuner that saw these calls (their durations per candidate, replayed in turn: the j-th call of every
+// candidate, then the next), for tuner_pick and tuner_kept.
+mk::kernels::Tuner replay_tuner(const std::vector<int64_t>& candidates, const std::vector<std::vector<double>>& seconds) {
+  TORCH_CHECK(!candidates.empty() && seconds.size() == candidates.size(),
+              "tuner_pick: one list of timings per candidate");
+  mk::kernels::Tuner t;
+  t.start(candidates);
+  size_t rounds = 0;
+  for (const auto& s : seconds) rounds = std::max(rounds, s.size());
+  for (size_t j = 0; j < rounds; ++j)
+    for (size_t i = 0; i < seconds.size(); ++i)
+      if (j < seconds[i].size()) t.record(candidates[i], seconds[i][j]);
+  return t;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -484,18 +499,24 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "tuner_pick",
       [](const std::vector<int64_t>& candidates, const std::vector<std::vector<double>>& seconds) {
-        TORCH_CHECK(!candidates.empty() && seconds.size() == candidates.size(),
-                    "tuner_pick: one list of timings per candidate");
-        mk::kernels::Tuner t;
-        t.start(candidates);
-        for (size_t i = 0; i < seconds.size(); ++i)
-          for (double s : seconds[i]) t.record(candidates[i], s);
+        const mk::kernels::Tuner t = replay_tuner(candidates, seconds);
         return std::make_pair(t.next(), t.done());
       },
       py::arg("candidates"), py::arg("seconds"),
       "(chunks, tuned): the chunk count the automatic tuner uses next after these calls (their durations per "
-      "candidate, in call order; each candidate's first is not timed), and whether tuning is over "
-      "(kernels/pipeline.h, Tuner).");
+      "candidate, in call order, replayed in turn; each candidate's first is not timed), and whether tuning is "
+      "over (kernels/pipeline.h, Tuner).");
+
+  m.def(
+      "tuner_kept",
+      [](const std::vector<int64_t>& candidates, const std::vector<std::vector<double>>& seconds) {
+        const mk::kernels::Tuner t = replay_tuner(candidates, seconds);
+        std::vector<size_t> kept;
+        for (const auto& s : t.seconds) kept.push_back(s.size());
+        return kept;
+      },
+      py::arg("candidates"), py::arg("seconds"),
+      "How many timings the tuner keeps per candidate after the calls tuner_pick takes (bounded however many).");
 
   m.def(
       "tuner_limits",

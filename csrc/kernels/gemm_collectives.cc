@@ -24,9 +24,9 @@
 // The rings across hosts need blocks of at least SUPERKERNEL_OPS_RING_MIN_ROWS rows (64; m for allgather_gemm,
 // m / R for the other two): below that the ops take the collective path (one GEMM, then mk's collective).
 // Smaller still (see CarryLimit: at most 64 KiB to a peer on mk, 256 KiB on other CPU backends, 4 MiB for
-// allgather_gemm's shard there, which its own rows' product then hides, 512 KiB for gemm_allreduce's product
-// on two ranks, kPairCarryBytes; in all, that for gemm_allreduce, whose direct sends to more than one peer
-// cost more than its ring, and R - 1 times that for the other two,
+// allgather_gemm's shard there, which its own rows' product then hides, 512 KiB on two ranks for
+// gemm_allreduce's product and gemm_reducescatter's block, kPairCarryBytes; in all, that for gemm_allreduce,
+// whose direct sends to more than one peer cost more than its ring, and R - 1 times that for the other two,
 // whose direct sends are what their collective sends), with an automatic chunk count, the payload travels
 // inside the argument agreement's messages (allgather_gemm its shard, the other two their partial products,
 // computed first), so the call makes one exchange, not two.

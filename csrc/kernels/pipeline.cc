@@ -484,9 +484,10 @@ int64_t Tuner::next() const {
 void Tuner::record(int64_t chunks, double secs) {
   auto it = std::find(candidates.begin(), candidates.end(), chunks);
   if (it == candidates.end() || done()) return;
-  // (rank 0's proposal is what every rank uses, so a call may have used another candidate than next() gave)
+  // (rank 0's proposal is what every rank uses, so a call may have used another candidate than next() gave:
+  // another rank's tuner may then never finish, and keeps at most kFinalTrials timings of each candidate)
   const size_t i = size_t(it - candidates.begin());
-  if (calls[i]++ > 0) seconds[i].push_back(secs);
+  if (calls[i]++ > 0 && wanted(i) > 0) seconds[i].push_back(secs);
 }
 
 bool Pipeline::one_host() const {

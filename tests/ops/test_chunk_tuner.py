@@ -95,6 +95,16 @@ def test_noisy_calls_finish_within_the_bound_and_find_the_faster(seed: int) -> N
     assert chunks == 2, secs
 
 
+def test_a_rank_following_another_ranks_choice_keeps_few_timings() -> None:
+    """Every rank uses rank 0's proposal, so another rank's tuner may see one candidate only and never finish:
+    it keeps at most FINAL timings of it, however many calls come."""
+    cands = [2, 1, 4]
+    secs = [[5e-3] * 1000, [], []]
+    assert _C.tuner_pick(cands, secs)[1] is False
+    assert _C.tuner_kept(cands, secs) == [TRIALS, 0, 0]
+    assert _C.tuner_kept(cands, [[5e-3] * 1000, [5e-3] * 1000, [5e-3] * 1000]) == [FINAL] * 3
+
+
 def test_rejects_mismatched_timings() -> None:
     with pytest.raises(RuntimeError, match="one list of timings per candidate"):
         _C.tuner_pick([1, 2], [[1.0]])
