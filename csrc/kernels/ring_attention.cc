@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -150,12 +151,33 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   // Every rank must pass the same value (part of the agreement).
   const bool may_ring = R > 1 && grp.is_mk() && p.over_tcp() && q.device().is_cpu();
   int64_t ring_min = 0;
+  bool ring_min_set = false;
   if (may_ring) {
     std::string bad;
+    const char* set = std::getenv("SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ");
+    ring_min_set = set && *set;
     ring_min = env_integer("SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", 256, 1, bad);
     if (local_problem.empty()) local_problem = bad;
   }
   const bool ok = local_problem.empty();
+  // Without a mask the ring hides at most the K/V transfer and adds a merge of the output per block (and a
+  // smaller attention call per block): where the transfer is short next to the attention, gathering K/V and
+  // one call is faster (2 namespace hosts at 1 Gbit/s, fp32, b=1 hq=8 hkv=2 s=512x2 d=64: the ring 0.93x of
+  // unfused, comm 1.2 ms against 12.5 ms of attention; hkv=8 s=1024x2: 1.31x). So across hosts, with the
+  // default threshold, unmasked blocks at or above it take the ring or the gather as the chunk tuner finds
+  // faster on the calls themselves (Pipeline::chunks with two candidates: 1 gathers, 2 rings; rank 0's
+  // proposal is used on every rank). With SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ set, they always ring.
+  // Causal blocks always ring: the zigzag layout skips the masked ones (1.34x and 1.94x there).
+  const bool tune_path = may_ring && !causal && !ring_min_set && ok && q.size(2) >= ring_min;
+  int64_t path_proposal = 2;
+  if (tune_path) {
+    ChunkModel model;
+    model.comm_bytes = double(R - 1) * 2.0 * double(k.numel()) * double(k.element_size());
+    model.flops = 4.0 * double(q.numel()) * double(R) * double(q.size(2));  // 2 GEMMs: s x R s x d per head
+    model.max_chunks = 2;
+    model.dtype = q.scalar_type();
+    path_proposal = p.chunks(0, model);
+  }
   const double sc = scale.value_or(ok && q.size(3) > 0 ? 1.0 / std::sqrt(double(q.size(3))) : 1.0);
   int64_t sc_bits = 0;
   static_assert(sizeof(double) == sizeof(int64_t));
@@ -175,10 +197,14 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
                                        {"local sequence", dim(q, 2)}, {"head_dim", dim(q, 3)},
                                        {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
                                        {"scale (bits of the double)", sc_bits},
-                                       {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", ok ? ring_min : -1}},
+                                       {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", ok ? ring_min : -1},
+                                       {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ set", int64_t(ring_min_set)},
+                                       {"ring (tuned)", path_proposal, false}},
                                       local_problem, std::move(carried));
-  agreement.result();
+  const std::vector<std::vector<int64_t>> agreed = agreement.result();
   const bool have_all = agreement.carried();
+  const bool tuned_gather = tune_path && !have_all && agreed[0].back() == 1;  // rank 0's proposal
+  if (tune_path && !have_all) p.use_chunks(agreed[0].back());
   // Rank src's packed K/V when it came with the agreement (this rank's own: `mine`).
   auto carried_block = [&](int src) {
     if (src == me) return mine;
@@ -192,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   auto f32 = q.options().dtype(at::kFloat);
   const bool one_host_cpu = grp.is_mk() && !p.over_tcp() && q.device().is_cpu();
   const bool short_blocks = may_ring && s < ring_min;  // (every rank alike: s and the threshold were agreed)
-  if (R > 1 && s > 0 && ((!causal && one_host_cpu) || have_all || short_blocks)) {
+  if (R > 1 && s > 0 && ((!causal && one_host_cpu) || have_all || short_blocks || tuned_gather)) {
     // Every block already here, blocks too short for the ring across hosts, or no mask and every peer on
     // this host: one attention call over the whole sequence. On one host the blocks would travel over shared
     // memory, i.e. as copies on the cores the attention needs, so nothing overlaps; one mk allgather of the
@@ -231,7 +257,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     }
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
                                                                    mask, sc);
-    p.trace(have_all ? "carried" : short_blocks ? "short blocks" : "one host", causal ? ", causal" : ", no mask",
+    p.trace(have_all ? "carried" : short_blocks ? "short blocks" : tuned_gather ? "tuned gather" : "one host",
+            causal ? ", causal" : ", no mask",
             ": one attention call over ", R * s, " keys (K/V ", kv_bytes, " B a rank)");
     // (the kernel returns [b, s, h]-ordered strides; the op's outputs are contiguous, as its fake kernel says)
     return {o.to(q.scalar_type()).contiguous(), l.contiguous()};

@@ -5,7 +5,7 @@ the log-sum-exp against a float64 reference, gradients (of out and lse) against 
 reference, mismatched calls that must fail on every rank, and (with
 --opcheck) torch.library.opcheck. Prints one REPORT line: per family, the failures (empty when all passed).
 
-Usage: attention_suite.py [--backend mk|gloo] [--opcheck]
+Usage: attention_suite.py [--backend mk|gloo] [--opcheck] [--tune-path CALLS]
 """
 from __future__ import annotations
 
@@ -232,13 +232,28 @@ def run(opcheck: bool) -> None:
         failures.setdefault(f, [])
 
 
+def run_tune_path(calls: int) -> None:
+    """One unmasked shape at the default ring threshold (256 positions per rank), called `calls` times: across
+    hosts the chunk tuner tries the ring and the gather on these calls; every call is checked."""
+    for i in range(calls):
+        try:
+            check_case((1, 2, 1, 256, 8), torch.float32, False, False, None)
+        except Exception:
+            failures["attention"].append(f"call {i}: {traceback.format_exc(limit=4)}")
+    for f in ("attention", "grad", "errors", "opcheck"):
+        failures.setdefault(f, [])
+
+
 def main() -> None:
     global rank, world
     backend = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else "mk"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     start = time.monotonic()
-    run("--opcheck" in sys.argv)
+    if "--tune-path" in sys.argv:
+        run_tune_path(int(sys.argv[sys.argv.index("--tune-path") + 1]))
+    else:
+        run("--opcheck" in sys.argv)
     dist.barrier()
     sys.stdout.write("REPORT " + json.dumps({"rank": rank, "failures": failures,
                                              "seconds": round(time.monotonic() - start, 2)}) + "\n")

@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from superkernel import _C
+
 from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of, without_rule_changes
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
@@ -101,3 +103,24 @@ def test_short_blocks_gathered(world: int) -> None:
     for family in ("attention", "grad", "errors"):
         problems = failures_of(reps, family)
         assert not problems, "\n".join(problems[:20])
+
+
+def test_unmasked_path_tuned_between_hosts() -> None:
+    """Across hosts (tcp), with the default ring threshold and carrying off, an unmasked call at the threshold
+    (256 positions per rank) takes the ring or the gather as the chunk tuner finds faster: while tuning both
+    run, every rank takes the same path on every call (rank 0's proposal), tuning ends within its bound and
+    then one path stays; every result matches float64 SDPA."""
+    calls = 1 + _C.tuner_limits(2)["most_calls"] + 6
+    results = _short.results(2, "tcp", ["--tune-path", str(calls)])
+    per_rank = []
+    for res in results:
+        traced = re.findall(r"\[mk ring_attention rank \d+ call (\d+)\] (ring|tuned gather)", res.stderr)
+        assert len(traced) == calls, f"rank {res.rank}: {len(traced)} traced calls of {calls}"
+        per_rank.append([path for _, path in traced])
+    assert per_rank[0] == per_rank[1], "the ranks took different paths"
+    paths = per_rank[0]
+    assert set(paths[: calls - 6]) == {"ring", "tuned gather"}, paths
+    assert len(set(paths[-6:])) == 1, f"still switching after tuning: {paths[-6:]}"
+    reps = [r.report() for r in results]
+    problems = failures_of(reps, "attention")
+    assert not problems, "\n".join(problems[:20])
