@@ -108,8 +108,6 @@ class Concurrently:
             raise self._error
 
 
-
-
 def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
             torch: Any, chunks: int = 0, settle: float = 0.0, machine_cpu: bool = False,
             tune: bool = True) -> dict[str, list[float]]:
