@@ -451,7 +451,7 @@ py::dict window_fast_ops(const py::object& self) {
 // candidate, then the next), for tuner_pick and tuner_kept.
 mk::kernels::Tuner replay_tuner(const std::vector<int64_t>& candidates, const std::vector<std::vector<double>>& seconds) {
   TORCH_CHECK(!candidates.empty() && seconds.size() == candidates.size(),
-              "tuner_pick: one list of timings per candidate");
+              "tuner_pick, tuner_kept: one list of timings per candidate");
   mk::kernels::Tuner t;
   t.start(candidates);
   size_t rounds = 0;

@@ -430,6 +430,8 @@ void Tuner::start(std::vector<int64_t> cands) {
   candidates = std::move(cands);
   calls.assign(candidates.size(), 0);
   seconds.assign(candidates.size(), {});
+  dropped_.clear();
+  choice_ = 0;
 }
 
 bool Tuner::first_round_done() const {
@@ -438,47 +440,18 @@ bool Tuner::first_round_done() const {
   return true;
 }
 
-// Decided on each candidate's first kTrials timed calls (so a drop never changes later).
-bool Tuner::dropped(size_t i) const {
-  if (!first_round_done()) return false;
-  auto first = [&](size_t c) {
-    return median_of(std::vector<double>(seconds[c].begin(), seconds[c].begin() + kTrials));
-  };
-  double best = std::numeric_limits<double>::infinity();
-  for (size_t c = 0; c < candidates.size(); ++c) best = std::min(best, first(c));
-  return first(i) > kDropRatio * best;
-}
-
 size_t Tuner::wanted(size_t i) const {
-  const size_t goal = !first_round_done() ? kTrials : dropped(i) ? 0 : kFinalTrials;
+  const size_t goal = dropped_.empty() ? kTrials : dropped_[i] ? 0 : kFinalTrials;
   return seconds[i].size() < goal ? goal - seconds[i].size() : 0;
-}
-
-bool Tuner::done() const {
-  for (size_t i = 0; i < candidates.size(); ++i)
-    if (wanted(i) > 0) return false;
-  return true;
 }
 
 int64_t Tuner::next() const {
   if (candidates.empty()) return 1;
-  if (!done()) {
-    size_t pick = candidates.size();
-    for (size_t i = 0; i < candidates.size(); ++i)
-      if (wanted(i) > 0 && (pick == candidates.size() || calls[i] < calls[pick])) pick = i;
-    return candidates[pick];
-  }
-  size_t best = candidates.size();
-  double best_median = std::numeric_limits<double>::infinity();
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    if (dropped(i)) continue;
-    const double m = median_of(seconds[i]);
-    if (best == candidates.size() || m < best_median || (m == best_median && candidates[i] < candidates[best])) {
-      best = i;
-      best_median = m;
-    }
-  }
-  return candidates[best];
+  if (choice_ > 0) return choice_;
+  size_t pick = candidates.size();
+  for (size_t i = 0; i < candidates.size(); ++i)
+    if (wanted(i) > 0 && (pick == candidates.size() || calls[i] < calls[pick])) pick = i;
+  return candidates[pick];
 }
 
 void Tuner::record(int64_t chunks, double secs) {
@@ -487,7 +460,31 @@ void Tuner::record(int64_t chunks, double secs) {
   // (rank 0's proposal is what every rank uses, so a call may have used another candidate than next() gave:
   // another rank's tuner may then never finish, and keeps at most kFinalTrials timings of each candidate)
   const size_t i = size_t(it - candidates.begin());
-  if (calls[i]++ > 0 && wanted(i) > 0) seconds[i].push_back(secs);
+  if (calls[i]++ == 0 || wanted(i) == 0) return;
+  seconds[i].push_back(secs);
+  if (dropped_.empty() && first_round_done()) {
+    // on each candidate's first kTrials timed calls, so a drop never changes later
+    std::vector<double> first(candidates.size());
+    for (size_t c = 0; c < candidates.size(); ++c)
+      first[c] = median_of(std::vector<double>(seconds[c].begin(), seconds[c].begin() + kTrials));
+    const double best = *std::min_element(first.begin(), first.end());
+    for (size_t c = 0; c < candidates.size(); ++c) dropped_.push_back(first[c] > kDropRatio * best);
+  }
+  if (dropped_.empty()) return;
+  for (size_t c = 0; c < candidates.size(); ++c)
+    if (wanted(c) > 0) return;
+  // tuned: the lowest median of the candidates kept (ties: the fewer chunks)
+  size_t best = candidates.size();
+  double best_median = std::numeric_limits<double>::infinity();
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    if (dropped_[c]) continue;
+    const double m = median_of(seconds[c]);
+    if (best == candidates.size() || m < best_median || (m == best_median && candidates[c] < candidates[best])) {
+      best = c;
+      best_median = m;
+    }
+  }
+  choice_ = candidates[best];
 }
 
 bool Pipeline::one_host() const {

@@ -91,7 +91,7 @@ struct Tuner {
   std::vector<size_t> calls;                 // calls per candidate (its first, untimed, included)
   std::vector<std::vector<double>> seconds;  // the timed calls per candidate
   void start(std::vector<int64_t> cands);
-  bool done() const;
+  bool done() const { return choice_ > 0; }
   // The candidate to use next: while tuning, the one still to be timed with the fewest calls (the first on
   // ties, so in turn), then the one with the lowest median.
   int64_t next() const;
@@ -101,8 +101,10 @@ struct Tuner {
 
  private:
   bool first_round_done() const;
-  bool dropped(size_t i) const;
   size_t wanted(size_t i) const;  // timed calls candidate i still needs
+  // Decided once, in record(), so that calls after tuning (next() on every op call) do no work:
+  std::vector<bool> dropped_;  // per candidate, once the first round is done (empty before)
+  int64_t choice_ = 0;         // the candidate kept, once tuning is done (0 before)
 };
 
 // Cost model inputs for the automatic chunk count.
