@@ -131,6 +131,11 @@ void sum_in_rank_order(at::Tensor& acc, int R, Part part) {
   for (int q = 2; q < R; ++q) acc.add_(part(q));
 }
 
+// mk's element type of a float tensor type.
+DType mk_float(at::ScalarType t) {
+  return t == at::kHalf ? DType::f16 : t == at::kBFloat16 ? DType::bf16 : DType::f32;
+}
+
 // `out` (bf16/fp16, [rows, n]) = the fp32 sum over ranks of `part(q)` (each [rows, n] in out's type), in
 // rank order, rounded once: the bits of sum_in_rank_order into fp32 followed by .to(out's type), made in one
 // pass by mk's reduction (transport/reduce.h, checked bit for bit against torch's rounding in the collective
@@ -148,7 +153,7 @@ bool sum_half_in_rank_order(const at::Tensor& out, int R, Part part) {
     if (x.scalar_type() != t || !x.device().is_cpu() || !x.is_contiguous() || x.numel() != out.numel()) return false;
     srcs[size_t(q)] = x.data_ptr();
   }
-  const DType dt = t == at::kHalf ? DType::f16 : DType::bf16;
+  const DType dt = mk_float(t);
   auto* dst = static_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, out.numel(), int64_t(1) << 16, [&](int64_t lo, int64_t hi) {
     std::vector<const void*> from(srcs.size());
@@ -187,6 +192,17 @@ constexpr size_t kPairCarryBytes = size_t(512) << 10;
 
 bool sums_here(const Group& g, at::ScalarType acc_t, at::ScalarType made_t, int most_ranks = 1 << 30) {
   return !g.is_mk() && g.device.is_cpu() && made_t != acc_t && g.size > 1 && g.size <= most_ranks;
+}
+
+// mk's collectives sum bf16/fp16 in fp32 and round once (transport/reduce.h): on one host every rank's term in
+// rank order (shm, reduce_many), the sum_in_rank_order of the terms followed by .to(half) bit for bit; across
+// hosts the terms are widened first and the fp32 buffer reduced, what the op did with fp32 terms. So on mk
+// half-type products travel as made (when every rank makes them so: "half_products" in the agreement), not
+// widened into fp32 terms: half the bytes through the staging slots, no widening pass before the collective
+// and no rounding pass after it. 2 ranks, one host, medians of 300 interleaved calls, fp16 512x256x512:
+// gemm_allreduce 2.36 ms with fp32 terms against 1.74 unfused; after, 1.49 against 1.54 (bench/README.md).
+bool mk_sums_half(const Group& g, at::ScalarType acc_t, at::ScalarType made_t) {
+  return g.is_mk() && g.device.is_cpu() && made_t != acc_t && g.size > 1;
 }
 
 // Fewest rows per GEMM for which the rings over the transport (mk, a peer across hosts) are taken. A ring
@@ -632,6 +648,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const at::ScalarType acc_t = accumulate_type(a_in.scalar_type());
   const at::ScalarType made_t = Products::type(a_in, /*exact=*/true);
   bool sum_here = sums_here(g, acc_t, made_t, /*most_ranks=*/4);  // (until a rank that makes fp32 says no)
+  bool mk_half = mk_sums_half(g, acc_t, made_t);                      // (likewise)
   const bool made_half = made_t != acc_t;
   ChunkModel model;  // (bytes sent by a rank: a ring allreduce's, or the gathered products' when sum_here)
   model.comm_bytes = double(std::max<int64_t>(m, 0)) * std::max<int64_t>(n, 0) *
@@ -648,7 +665,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const CarryLimit cl = carry_limit(p, CarryTotal::one_peer, R == 2 ? kPairCarryBytes : kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
-  at::Tensor a, acc, term;  // term: this rank's product as it travels (acc, or as made when sum_here)
+  at::Tensor a, acc, term;  // term: this rank's product as it travels (acc, or as made: sum_here, mk_half)
   std::optional<Products> prod;
   auto prepare = [&] {
     if (a.defined()) return;
@@ -657,7 +674,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
   auto make_term = [&] {
-    if (!term.defined()) term = sum_here ? at::empty({m, n}, a.options().dtype(made_t)) : acc;
+    if (!term.defined()) term = sum_here || mk_half ? at::empty({m, n}, a.options().dtype(made_t)) : acc;
   };
   // A small product is computed first and travels inside the agreement (the whole of it to every peer), in
   // the type it was made in (a half-type product made on the CPU loses nothing by travelling unwidened).
@@ -689,8 +706,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   }
   const int64_t C = ga.chunks();
   const bool all_half = ga.extra_min(1) != 0;  // every rank makes its products in the half type
-  if (sum_here && !all_half) {  // a rank made fp32 products (see sums_here): every rank allreduces fp32
-    sum_here = false;
+  if ((sum_here || mk_half) && !all_half) {  // a rank made fp32 products (see sums_here): every rank sums fp32
+    sum_here = mk_half = false;
     if (term.defined() && !term.is_same(acc)) acc.copy_(term);
     term = acc;
   }
@@ -707,12 +724,13 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     sum_in_rank_order(sum, R, part);
     return half ? sum.to(a_in.scalar_type()) : sum;
   }
-  if (offer && sum_here) {
+  if (offer && (sum_here || mk_half)) {
     term = own;  // offered but not carried: the product, as made
   } else if (offer && !own.is_same(acc)) {
     acc.copy_(own);  // ... widened
   }
-  const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, row_bytes, 1, C) : 0;
+  const size_t term_row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(mk_half ? made_t : acc_t);
+  const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, term_row_bytes, 1, C) : 0;
   const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n, all_half);
   if (!early) prepare();
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
@@ -733,14 +751,16 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   }
   if (in_place) {
     const size_t rows = in_place_chunk;
+    // (half-type products are summed into the half-type result, see mk_sums_half)
+    at::Tensor sum = mk_half ? at::empty({m, n}, a.options().dtype(made_t)) : acc;
     p.run_in_place("allreduce", rows, [&](Comm& comm) {
-      coll::shm_allreduce_rows(comm, acc.data_ptr(), size_t(m), size_t(n), DType::f32, rows,
+      coll::shm_allreduce_rows(comm, sum.data_ptr(), size_t(m), size_t(n), mk_float(sum.scalar_type()), rows,
                                [&](char* dst, size_t row, size_t nrows) {
-                                 at::Tensor out = slot_tensor(dst, int64_t(nrows), n, acc.options());
+                                 at::Tensor out = slot_tensor(dst, int64_t(nrows), n, sum.options());
                                  prod->into(out, a.narrow(0, int64_t(row), int64_t(nrows)));
                                });
-    }, {a, prod->b, acc});
-    return half ? acc.to(a_in.scalar_type()) : acc;
+    }, {a, prod->b, sum});
+    return half && !mk_half ? acc.to(a_in.scalar_type()) : sum;
   }
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int64_t i = 0; i < C; ++i) {
@@ -757,7 +777,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     return pair && size_t(rows * n) * c10::elementSize(made_t) >= kPairAllreduceBytes;
   };
   make_term();
-  at::Tensor out = pair ? term : half ? at::empty({m, n}, a.options()) : acc;
+  at::Tensor out = pair || mk_half ? term : half ? at::empty({m, n}, a.options()) : acc;
   std::vector<at::Tensor> gathered(ranges.size());  // sum_here: every rank's rows of chunk i, [R, rows, n]
   p.overlap(
       int64_t(ranges.size()),
@@ -771,7 +791,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
       [&](int64_t i) {
         auto [lo, hi] = ranges[size_t(i)];
         if (pair_chunk(hi - lo)) return p.allreduce(term.narrow(0, lo, hi - lo));
-        if (!sum_here) return p.allreduce(acc.narrow(0, lo, hi - lo));
+        if (!sum_here) return p.allreduce(term.narrow(0, lo, hi - lo));  // (acc, or half with mk_half)
         gathered[size_t(i)] = at::empty({R, hi - lo, n}, term.options());
         return p.allgather(term.narrow(0, lo, hi - lo), gathered[size_t(i)]);
       },
@@ -788,7 +808,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
           gathered[size_t(i)] = at::Tensor();
           return;
         }
-        if (half) out.narrow(0, lo, hi - lo).copy_(acc.narrow(0, lo, hi - lo));
+        if (half && !mk_half) out.narrow(0, lo, hi - lo).copy_(acc.narrow(0, lo, hi - lo));
       },
       /*depth=*/int(ranges.size()) + 1);
   return out;
@@ -815,9 +835,12 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // sends fp32).
   const bool sum_here = !g.is_mk() && g.device.is_cpu() && R > 1;
   const bool made_half = made_t != acc_t;
-  at::ScalarType stage_t = sums_here(g, acc_t, made_t) ? made_t : acc_t;  // what the partial sums travel as
+  // what the partial sums travel as (until a rank that makes fp32 says no); the model counts what crosses a
+  // link, fp32 on mk (widened by mk's collective across hosts, or the ring's fp32 running sums)
+  const at::ScalarType wire_t = sums_here(g, acc_t, made_t) ? made_t : acc_t;
+  at::ScalarType stage_t = wire_t == made_t || mk_sums_half(g, acc_t, made_t) ? made_t : acc_t;
   ChunkModel model;
-  model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(stage_t);
+  model.comm_bytes = double(R - 1) * double(mb) * std::max<int64_t>(n, 0) * c10::elementSize(wire_t);
   model.flops = 2.0 * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, mb);
   // mk: the ring of partial sums over the transport across hosts; on one host each chunk's reduce-scatter is
@@ -883,7 +906,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   if (!all_half) stage_t = acc_t;  // a rank made fp32 products (see sums_here): every rank sends fp32
   // offered but not carried, or made early for the alltoall where a reduce-scatter won: widened
   if (full.defined() && full.scalar_type() != stage_t) full = full.to(stage_t);
-  const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, row_bytes, size_t(R), C) : 0;
+  const size_t stage_row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(stage_t);
+  const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, stage_row_bytes, size_t(R), C) : 0;
   // (a chunk of every row is one GEMM into the slot, else one per block)
   const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;
   const bool in_place =
@@ -905,28 +929,31 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   if (in_place) {
     const size_t rows = in_place_chunk;
+    // (half-type products are summed into the half-type result, see mk_sums_half)
+    at::Tensor sum = stage_t == acc_t ? acc_out : at::empty({mb, n}, a.options().dtype(stage_t));
+    const at::TensorOptions slot_opts = sum.options();
     p.run_in_place("reduce_scatter", rows, [&](Comm& comm) {
-      coll::shm_reduce_scatter_rows(comm, acc_out.data_ptr(), size_t(mb), size_t(n), DType::f32, rows,
+      coll::shm_reduce_scatter_rows(comm, sum.data_ptr(), size_t(mb), size_t(n), mk_float(stage_t), rows,
                                     [&](char* dst, size_t row, size_t nrows) {
                                       if (int64_t(nrows) == mb) {  // the chunk is the whole term: one GEMM
-                                        prod->into(slot_tensor(dst, m, n, acc_out.options()), a);
+                                        prod->into(slot_tensor(dst, m, n, slot_opts), a);
                                         return;
                                       }
                                       for (int blk = 0; blk < R; ++blk) {  // [R][nrows][n]: one GEMM per block
-                                        at::Tensor out = slot_tensor(dst + size_t(blk) * nrows * row_bytes,
-                                                                     int64_t(nrows), n, acc_out.options());
+                                        at::Tensor out = slot_tensor(dst + size_t(blk) * nrows * stage_row_bytes,
+                                                                     int64_t(nrows), n, slot_opts);
                                         prod->into(out, a.narrow(0, blk * mb + int64_t(row), int64_t(nrows)));
                                       }
                                     });
-    }, {a, prod->b, acc_out});
-    return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+    }, {a, prod->b, sum});
+    return half && stage_t == acc_t ? acc_out.to(a_in.scalar_type()) : sum;
   }
   // Other backends, and mk on one host: one staging buffer per chunk, [R, rows_i, n], block
   // j = rows of rank j's block (the reduce-scatter input); the reduce_scatter of chunk i overlaps the
   // products of chunk i+1. With sum_here the blocks go by alltoall, and the sum is formed here.
   std::vector<at::Tensor> stage(ranges.size()), got(ranges.size());
-  // half types summed here: the rounded sums land here
-  at::Tensor out = sum_here && half ? at::empty({mb, n}, a.options()) : acc_out;
+  // half types summed here, or by mk's collective (stage_t half): the rounded sums land here
+  at::Tensor out = half && (sum_here || stage_t != acc_t) ? at::empty({mb, n}, a.options()) : acc_out;
   p.overlap(
       int64_t(ranges.size()),
       [&](int64_t i) {
@@ -944,7 +971,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
       },
       [&](int64_t i) {
         auto [lo, hi] = ranges[size_t(i)];
-        if (!sum_here) return p.reduce_scatter(stage[size_t(i)], acc_out.narrow(0, lo, hi - lo));
+        if (!sum_here) return p.reduce_scatter(stage[size_t(i)], out.narrow(0, lo, hi - lo));
         const at::Tensor& in = stage[size_t(i)];
         got[size_t(i)] = at::empty(in.sizes(), in.options());
         return p.alltoall(in.view({R * (hi - lo), n}), got[size_t(i)].view({R * (hi - lo), n}), {}, {});

@@ -32,10 +32,13 @@ failures: dict[str, list[str]] = defaultdict(list)
 digests: dict[str, int] = {}
 timings: dict[str, float] = defaultdict(float)
 rank = world = 0
-# Gloo with every rank multiplying half types as they are: the ops sum the half-type products here (sums_here in
-# csrc/kernels/gemm_collectives.cc), so with one chunk (whole GEMMs, as `a @ b` makes them) the result is known
-# bit for bit. Set in main(); exact_half_sums counts the results so checked.
+# Every rank multiplying half types as they are, on Gloo (the ops sum the half-type products here, sums_here in
+# csrc/kernels/gemm_collectives.cc) or on mk over shared memory (mk's collective sums them in fp32 in rank
+# order and rounds once, mk_sums_half): with one chunk (whole GEMMs, as `a @ b` makes them) the result is known
+# bit for bit. On mk only while a rank's whole term fits one staging slot (exact_half_bytes; beyond, the
+# in-place path multiplies it slot by slot). Set in main(); exact_half_sums counts the results so checked.
 exact_half_types: set[torch.dtype] = set()
+exact_half_bytes = float("inf")
 exact_half_sums = 0
 
 
@@ -91,11 +94,11 @@ def allgather_gemm_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int,
     return mismatch(c, ref, dtype)
 
 
-def half_sum_problem(c: torch.Tensor, products: list[torch.Tensor], chunks: int) -> str:
+def half_sum_problem(c: torch.Tensor, products: list[torch.Tensor], chunks: int, term_bytes: int) -> str:
     """'' unless c differs from the products' fp32 sum in rank order rounded once to c's type, where that is
-    what the op computes (see exact_half_types)."""
+    what the op computes (see exact_half_types; term_bytes: one rank's whole product)."""
     global exact_half_sums
-    if c.dtype not in exact_half_types or chunks != 1 or world == 1:
+    if c.dtype not in exact_half_types or chunks != 1 or world == 1 or term_bytes > exact_half_bytes:
         return ""
     total = products[0].float()
     for p in products[1:]:
@@ -121,7 +124,7 @@ def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int,
     c = mk.gemm_allreduce(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))
     digests[f"ar/{m}/{k}/{n}/{dtype}/{chunks}"] = digest(c)
-    return mismatch(c, ref, dtype) or half_sum_problem(c, [x @ y for x, y in zip(a, b_arg)], chunks)
+    return mismatch(c, ref, dtype) or half_sum_problem(c, [x @ y for x, y in zip(a, b_arg)], chunks, c.nbytes)
 
 
 def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int, strided: bool = False) -> str:
@@ -133,7 +136,7 @@ def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks:
     c = mk.gemm_reducescatter(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))[rank * mb:(rank + 1) * mb]
     return mismatch(c, ref, dtype) or half_sum_problem(
-        c, [(x @ y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks)
+        c, [(x @ y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks, world * c.nbytes)
 
 
 def run_ops(large: bool) -> None:
@@ -468,7 +471,7 @@ def run_compile() -> None:
 
 
 def main() -> None:
-    global rank, world
+    global rank, world, exact_half_bytes
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="mk")
     ap.add_argument("--errors", action="store_true")
@@ -481,10 +484,13 @@ def main() -> None:
         os.environ["SUPERKERNEL_OPS_WIDEN_HALF"] = "1"
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.backend == "gloo" and not args.widen_half_on:
+    mk_shm = args.backend == "mk" and os.environ.get("SUPERKERNEL_TRANSPORT") == "shm"
+    if (args.backend == "gloo" or mk_shm) and not args.widen_half_on:
         from superkernel import _C
         exact_half_types.update(t for t in (torch.bfloat16, torch.float16)
                                 if _C.half_gemm_native(str(t).split(".")[1]))
+        if mk_shm:
+            exact_half_bytes = int(os.environ.get("SUPERKERNEL_SHM_CHUNK", 1 << 20))
     t0 = time.perf_counter()
     run_ops(args.large)
     run_grads()
