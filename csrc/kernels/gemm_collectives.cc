@@ -320,20 +320,32 @@ class GemmAgreement {
 // same ring once more (an allgather into the other blocks of *all): each chunk of this rank's block is sent
 // on the moment it is final, so that transfer overlaps the products still to come; ranks beyond the next
 // forward what they receive after the last product (R > 2).
+// Half types travel in half the bytes where that changes no bit of the result:
+// - `first_as_made` (every rank multiplies the half type as it is, agreed): step 0 sends one product, not a
+//   sum, so it travels as made and is widened on arrival (exactly what the widened product was);
+// - `rounded` (gemm_allreduce of a half type: the [m, n] result in that type): each reduced block is rounded
+//   before its allgather, as every rank would round the fp32 sum it received, and the ring gathers into it.
+// At 2 ranks the ring then moves only half-type elements, half the bytes of fp32 terms.
 void ring_reducescatter(Pipeline& p, const at::Tensor& a, const Products& prod, at::Tensor& out, int64_t mb,
-                        const std::vector<std::pair<int64_t, int64_t>>& ranges, const at::Tensor* all = nullptr) {
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, bool first_as_made,
+                        const at::Tensor* all = nullptr, const at::Tensor* rounded = nullptr) {
   const int R = p.size(), r = p.rank();
   const int next = (r + 1) % R, prev = (r - 1 + R) % R;
   const int64_t n = prod.b.size(1), C = int64_t(ranges.size());
   auto opts = out.options();
-  at::Tensor incoming = at::empty({R - 1, mb, n}, opts);  // step s (>= 1) receives into incoming[s - 1]
-  at::Tensor first = at::empty({mb, n}, opts);            // step 0's products, sent as they are
+  const bool as_made = first_as_made && prod.b.scalar_type() != out.scalar_type();
+  at::Tensor incoming = at::empty({R - 1, mb, n}, opts);  // step s (>= 1) receives into incoming[s - 1] ...
+  // ... except step 1 when step 0's products travel as made (incoming[0] then holds step 1's sum)
+  at::Tensor first_in = as_made ? at::empty({mb, n}, opts.dtype(prod.b.scalar_type())) : at::Tensor();
+  at::Tensor first = at::empty({mb, n}, as_made ? first_in.options() : opts);  // step 0's products, sent
   at::Tensor scratch = at::empty({mb, n}, opts);
+  const at::Tensor* gathered = rounded ? rounded : all;  // what the allgather moves
+  auto received = [&](int s) { return s == 1 && as_made ? first_in : incoming.select(0, s - 1); };
   std::vector<Pending> recvs;
   for (int s = 1; s < R; ++s)
     for (int64_t i = 0; i < C; ++i) {
       auto [lo, hi] = ranges[size_t(i)];
-      recvs.push_back(p.recv(incoming.select(0, s - 1).narrow(0, lo, hi - lo), prev, uint32_t((s - 1) * C + i)));
+      recvs.push_back(p.recv(received(s).narrow(0, lo, hi - lo), prev, uint32_t((s - 1) * C + i)));
     }
   // allgather step t brings block (r - t - 1) mod R from prev (message slots after the reduce-scatter's)
   const uint32_t ag = uint32_t(R * C);
@@ -343,7 +355,7 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const Products& prod, 
       const int64_t blk = ((r - t - 1) % R + R) % R;
       for (int64_t i = 0; i < C; ++i) {
         auto [lo, hi] = ranges[size_t(i)];
-        ag_recvs.push_back(p.recv(all->narrow(0, blk * mb + lo, hi - lo), prev, ag + uint32_t(t * C + i)));
+        ag_recvs.push_back(p.recv(gathered->narrow(0, blk * mb + lo, hi - lo), prev, ag + uint32_t(t * C + i)));
       }
     }
   std::vector<Pending> sends;
@@ -363,13 +375,24 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const Products& prod, 
       at::Tensor mine = s + 1 < R ? scratch.narrow(0, lo, rows) : out.narrow(0, lo, rows);
       prod.into(mine, src);
       recvs[size_t((s - 1) * C + i)].wait();
-      at::Tensor sum = incoming.select(0, s - 1).narrow(0, lo, rows);
+      at::Tensor sum = received(s).narrow(0, lo, rows);
       if (s + 1 < R) {
-        sum.add_(mine);
-        sends.push_back(p.send(sum, next, uint32_t(s * C + i)));
+        at::Tensor total = incoming.select(0, s - 1).narrow(0, lo, rows);
+        if (total.scalar_type() == sum.scalar_type())
+          total.add_(mine);
+        else
+          at::add_out(total, sum, mine);  // (the product as made, widened: the same sum)
+        sends.push_back(p.send(total, next, uint32_t(s * C + i)));
       } else {
         mine.add_(sum);
-        if (all) sends.push_back(p.send(mine, next, ag + uint32_t(i)));
+        if (all) {
+          at::Tensor final_rows = mine;
+          if (rounded) {
+            final_rows = rounded->narrow(0, int64_t(r) * mb + lo, rows);
+            final_rows.copy_(mine);
+          }
+          sends.push_back(p.send(final_rows, next, ag + uint32_t(i)));
+        }
       }
     }
   }
@@ -379,7 +402,7 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const Products& prod, 
       for (int64_t i = 0; i < C; ++i) {
         auto [lo, hi] = ranges[size_t(i)];
         ag_recvs[size_t((t - 1) * C + i)].wait();
-        sends.push_back(p.send(all->narrow(0, blk * mb + lo, hi - lo), next, ag + uint32_t(t * C + i)));
+        sends.push_back(p.send(gathered->narrow(0, blk * mb + lo, hi - lo), next, ag + uint32_t(t * C + i)));
       }
     }
     for (auto& x : ag_recvs) x.wait();
@@ -746,8 +769,9 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
       if (rg.second > rg.first) blocks.push_back(rg);
     }
     at::Tensor mine = acc.narrow(0, int64_t(g.rank) * mb, mb);
-    ring_reducescatter(p, a, *prod, mine, mb, blocks, &acc);
-    return half ? acc.to(a_in.scalar_type()) : acc;
+    at::Tensor rounded = half ? at::empty({m, n}, a.options()) : at::Tensor();
+    ring_reducescatter(p, a, *prod, mine, mb, blocks, all_half, &acc, half ? &rounded : nullptr);
+    return half ? rounded : acc;
   }
   if (in_place) {
     const size_t rows = in_place_chunk;
@@ -924,7 +948,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     if (rg.second > rg.first) ranges.push_back(rg);
   }
   if (ring) {
-    ring_reducescatter(p, a, *prod, acc_out, mb, ranges);
+    ring_reducescatter(p, a, *prod, acc_out, mb, ranges, all_half);
     return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   }
   if (in_place) {
