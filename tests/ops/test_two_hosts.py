@@ -169,3 +169,30 @@ def test_moe_and_attention_carry_between_hosts(suite: str, backend: str) -> None
         assert carried_above_one_peer, "no call with more than 64 KiB of K/V in all was carried"
     ops = ["moe_dispatch_gemm", "moe_combine"] if suite == "moe_suite.py" else ["ring_attention"]
     assert all(carried.get(op) for op in ops), carried
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"two namespace hosts unavailable: {REASON}")
+@pytest.mark.netns
+@pytest.mark.slow
+def test_mk_rings_move_half_types_in_half_the_bytes() -> None:
+    """One rank per host, the rings of gemm_allreduce and gemm_reducescatter across the hosts, bytes each host
+    sends per call (tests/ops/ring_bytes.py). fp32 sends at least its terms (2 ranks: the reduce-scatter's
+    block and the allgather's, 4 bytes an element). A half type multiplied as it is travels as made and
+    gemm_allreduce's reduced blocks as rounded: about half of fp32's bytes. Widened (a processor without
+    oneDNN support for it) the reduce-scatter step sends fp32 and only the allgather halves."""
+    with TwoHosts() as hosts:
+        results = run_torch_job(hosts, str(HERE / "ring_bytes.py"), [], nproc_per_host=1, timeout=300,
+                                env={"SUPERKERNEL_FRONTEND": "0"})
+    reports = rank_reports(results, per_host=1)
+    for rep in reports:
+        m, _, n = rep["shape"]
+        sent = rep["bytes_per_call"]
+        assert sent["gemm_allreduce float32"] >= m * n * 4, sent
+        assert sent["gemm_reducescatter float32"] >= m // 2 * n * 4, sent
+        for dtype, native in rep["native"].items():
+            ar = sent[f"gemm_allreduce {dtype}"] / sent["gemm_allreduce float32"]
+            rs = sent[f"gemm_reducescatter {dtype}"] / sent["gemm_reducescatter float32"]
+            if native:
+                assert ar < 0.6 and rs < 0.6, (rep["rank"], dtype, ar, rs, sent)
+            else:
+                assert ar < 0.85 and rs > 0.9, (rep["rank"], dtype, ar, rs, sent)
