@@ -4,7 +4,8 @@
 //    and then gathers the others' slices (two synchronisations, each byte read once per rank).
 //  - across hosts: hierarchical when a host has several ranks (shm inside, leaders over the network); among
 //    the network members recursive doubling for small power-of-two groups, else a ring (reduce-scatter
-//    then allgather). fp16/bf16 travel and accumulate as fp32 there, so every sum is accumulated in fp32.
+//    then allgather). fp16/bf16 accumulate as fp32 there, so every sum is accumulated in fp32 and rounded
+//    once; only partial sums of two or more terms travel as fp32 (see p2p_allreduce_half).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -146,6 +147,100 @@ void doubling_allreduce(Comm& c, const Members& m, char* buf, size_t count, DTyp
 
 bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
 
+// The network algorithms for fp16/bf16 when every member holds its own term (not a host's partial sum): the
+// sum is formed in fp32 and rounded once, as if the buffer were widened and reduced as fp32 (the same
+// algorithm, order and bits: recursive doubling where the fp32 buffer would take it, else the ring), but a
+// value that is exactly a half-type value travels as one. That is every member's own term on the first
+// step (a sum of two or more terms stays fp32), and, in the ring's allgather, the reduced segments, rounded
+// as every member would round them. At 2 members nothing travels as fp32: half the bytes of the widened
+// buffer. `wide` holds count floats. The ring reads the terms from `terms` and, with `gather_back`, leaves
+// the rounded sums in `out` (which may be `terms`); without (reduce_scatter) only the member's own segment
+// of `wide` is left reduced, for the caller to round.
+void doubling_allreduce_half(Comm& c, const Members& m, char* buf, float* wide, size_t count, DType t, RedOp op,
+                             uint64_t seq, uint64_t check, const Deadline& dl) {
+  std::vector<float> tmp(count);
+  std::vector<uint16_t> tmp16(count);
+  uint32_t step = 0;
+  for (int mask = 1; mask < m.size(); mask <<= 1, ++step) {
+    const int partner = m.at(m.me ^ mask);
+    if (step == 0) {
+      sendrecv(c, "allreduce", partner, buf, count * 2, partner, tmp16.data(), count * 2, coll_tag(seq, step), check,
+               dl);
+      to_f32(wide, buf, count, t);
+      to_f32(tmp.data(), tmp16.data(), count, t);
+    } else {
+      sendrecv(c, "allreduce", partner, wide, count * 4, partner, tmp.data(), count * 4, coll_tag(seq, step), check,
+               dl);
+    }
+    const void* srcs[2] = {wide, tmp.data()};
+    reduce_many(wide, srcs, 2, count, DType::f32, op);
+  }
+  from_f32(buf, wide, count, t);
+}
+
+void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out, float* wide, size_t count,
+                         DType t, RedOp op, uint64_t seq, uint64_t check, const Deadline& dl, bool gather_back) {
+  const int R = m.size(), me = m.me;
+  const size_t seg = (count + size_t(R) - 1) / size_t(R);
+  auto lo = [&](int i) { return std::min(count, seg * size_t(i)); };
+  auto len = [&](int i) { return std::min(count, lo(i) + seg) - lo(i); };
+  std::vector<float> tmp(seg);
+  std::vector<uint16_t> tmp16(seg);
+  const int right = m.at((me + 1) % R), left = m.at((me - 1 + R) % R);
+  // (pieces of as many elements as the fp32 ring's; step 0 moves them in half the bytes)
+  const size_t piece = std::max<size_t>((256u << 10) / 4, (seg + kMaxPieces - 1) / kMaxPieces);
+  auto term_at = [&](size_t i) { return terms + i * 2; };
+  auto out_at = [&](size_t i) { return out + i * 2; };
+  for (int k = 0; k < R - 1; ++k) {
+    const int si = ((me - k - 1) % R + R) % R, ri = ((me - k - 2) % R + R) % R;
+    const size_t es = k == 0 ? 2 : 4;  // step 0: the own terms, as they are
+    std::vector<RequestPtr> recvs, sends;
+    for (size_t p = 0, j = 0; p < std::max<size_t>(len(ri), 1); p += piece, ++j) {
+      char* into = k == 0 ? reinterpret_cast<char*>(tmp16.data() + p) : reinterpret_cast<char*>(tmp.data() + p);
+      recvs.push_back(c.irecv(left, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), into,
+                              std::min(piece, len(ri) - std::min(len(ri), p)) * es, check));
+    }
+    for (size_t p = 0, j = 0; p < std::max<size_t>(len(si), 1); p += piece, ++j) {
+      const char* from = k == 0 ? term_at(lo(si) + p) : reinterpret_cast<const char*>(wide + lo(si) + p);
+      sends.push_back(c.isend(right, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), from,
+                              std::min(piece, len(si) - std::min(len(si), p)) * es, check));
+    }
+    for (size_t j = 0; j < recvs.size(); ++j) {
+      c.wait(recvs[j], dl, "allreduce", left);
+      const size_t p = j * piece, n = std::min(piece, len(ri) - std::min(len(ri), p));
+      // (each segment is reduced once here: this member's term, widened, plus what was received, the
+      // previous member's term on step 0, a partial sum after)
+      float* acc = wide + lo(ri) + p;
+      to_f32(acc, term_at(lo(ri) + p), n, t);
+      if (k == 0) to_f32(tmp.data() + p, tmp16.data() + p, n, t);
+      const void* srcs[2] = {acc, tmp.data() + p};
+      reduce_many(acc, srcs, 2, n, DType::f32, op);
+    }
+    for (auto& q : sends) c.wait(q, dl, "allreduce", right);
+  }
+  if (!gather_back) return;
+  // (after the reduce-scatter: every term this member reads has been read, so `out` may be `terms`)
+  from_f32(out_at(lo(me)), wide + lo(me), len(me), t);  // this member's reduced segment, rounded once
+  for (int k = 0; k < R - 1; ++k) {
+    const int si = ((me - k) % R + R) % R, ri = ((me - k - 1) % R + R) % R;
+    sendrecv(c, "allreduce", right, out_at(lo(si)), len(si) * 2, left, out_at(lo(ri)), len(ri) * 2,
+             coll_tag(seq, uint32_t(R + k) * kMaxPieces), check, dl);
+  }
+}
+
+// Allreduce of fp16/bf16 terms, one per member (see ring_allreduce_half). The algorithm is the one the fp32
+// buffer of the same count would take.
+void p2p_allreduce_half(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
+                        uint64_t check, const Deadline& dl) {
+  if (m.size() == 1) return;
+  std::vector<float> wide(count);
+  const bool pow2 = (m.size() & (m.size() - 1)) == 0;
+  if (pow2 && count * sizeof(float) <= (64u << 10))
+    doubling_allreduce_half(c, m, buf, wide.data(), count, t, op, seq, check, dl);
+  else
+    ring_allreduce_half(c, m, buf, buf, wide.data(), count, t, op, seq, check, dl, true);
+}
+
 void p2p_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
                    uint64_t check, const Deadline& dl) {
   const bool pow2 = (m.size() & (m.size() - 1)) == 0;
@@ -168,9 +263,13 @@ void shm_bcast_from_leader(Comm& c, char* buf, size_t bytes, const OpDesc& d, co
 
 // Across hosts. With several ranks on this host: reduce inside the host over shared memory, allreduce
 // among one leader per host over the network, broadcast back inside the host, so each byte crosses the
-// network once per host instead of once per rank. fp16/bf16 are widened to fp32 for the whole way.
+// network once per host instead of once per rank. fp16/bf16: with one rank per host every member's term
+// travels as it is where it can (p2p_allreduce_half); with several, the host's partial sum is fp32, and the
+// buffer is widened to fp32 for the whole way.
 void multi_host_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, const OpDesc& d,
                           const Deadline& dl) {
+  if (is_half(t) && (c.shm() == nullptr || c.shm()->local_size() == 1))
+    return p2p_allreduce_half(c, Members::all(c), buf, count, t, op, seq, d.check(), dl);
   if (is_half(t)) {
     std::vector<float> wide(count);
     to_f32(wide.data(), buf, count, t);
@@ -253,11 +352,10 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
     shm_reduce_scatter_with(c, dst, count, t, op, d, dl, 0, [&](char* slot, size_t off, size_t n) {
       for (int r = 0; r < R; ++r) copy_bytes(slot + size_t(r) * n * es, src + (size_t(r) * count + off) * es, n * es);
     });
-  } else if (is_half(t)) {
+  } else if (is_half(t)) {  // (every member's term, sent as it is on the first step; summed in fp32)
     std::vector<float> wide(count * size_t(R));
-    to_f32(wide.data(), src, wide.size(), t);
-    ring_allreduce(c, Members::all(c), reinterpret_cast<char*>(wide.data()), wide.size(), DType::f32, op, seq,
-                   d.check(), dl, false);
+    ring_allreduce_half(c, Members::all(c), src, nullptr, wide.data(), wide.size(), t, op, seq, d.check(), dl,
+                        false);
     from_f32(dst, wide.data() + size_t(me) * count, count, t);
   } else {
     // The ring leaves segment `me` reduced; segments are exactly the blocks when count*R splits evenly.
