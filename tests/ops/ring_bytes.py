@@ -1,5 +1,6 @@
 """Runs inside every rank of a 2-rank mk job whose ranks are on two network-namespace hosts: the bytes this
-rank's host sends per call of gemm_allreduce and gemm_reducescatter on the ring across hosts, in each dtype.
+rank's host sends per call of gemm_allreduce and gemm_reducescatter on the ring across hosts, and of mk's own
+all_reduce and reduce_scatter_tensor of a tensor of the product's size, in each dtype.
 The host's counters are /proc/net/dev of the rank's own namespace (every interface but loopback), read after
 a barrier before and after a run of calls, so they count the ring's messages (and TCP/IP's headers, and
 the barriers'). Prints one REPORT line per rank: {"rank", "bytes_per_call": {"<op> <dtype>": bytes}, "native":
@@ -41,13 +42,19 @@ def main() -> None:
         gen = torch.Generator().manual_seed(rank)
         a = torch.randn(m, k, generator=gen).to(dtype)
         b = torch.randn(k, n, generator=gen).to(dtype)
-        for name, op in (("gemm_allreduce", mk.gemm_allreduce), ("gemm_reducescatter", mk.gemm_reducescatter)):
+        c = a @ b
+        block = torch.empty(m // world, n, dtype=dtype)
+        calls = (("gemm_allreduce", lambda: mk.gemm_allreduce(a, b)),
+                 ("gemm_reducescatter", lambda: mk.gemm_reducescatter(a, b)),
+                 ("all_reduce", lambda: dist.all_reduce(c)),
+                 ("reduce_scatter", lambda: dist.reduce_scatter_tensor(block, c)))
+        for name, op in calls:
             for _ in range(40):  # past the chunk tuner's calls (its choice changes message counts, not bytes)
-                op(a, b)
+                op()
             dist.barrier()
             before = sent_bytes()
             for _ in range(args.calls):
-                op(a, b)
+                op()
             dist.barrier()
             out[f"{name} {str(dtype).removeprefix('torch.')}"] = (sent_bytes() - before) / args.calls
     from superkernel import _C

@@ -179,7 +179,9 @@ def test_mk_rings_move_half_types_in_half_the_bytes() -> None:
     sends per call (tests/ops/ring_bytes.py). fp32 sends at least its terms (2 ranks: the reduce-scatter's
     block and the allgather's, 4 bytes an element). A half type multiplied as it is travels as made and
     gemm_allreduce's reduced blocks as rounded: about half of fp32's bytes. Widened (a processor without
-    oneDNN support for it) the reduce-scatter step sends fp32 and only the allgather halves."""
+    oneDNN support for it) the reduce-scatter step sends fp32 and only the allgather halves. mk's own
+    all_reduce and reduce_scatter of half-type tensors (one rank per host: every term travels as it is, sums
+    in fp32) send about half of fp32's bytes too."""
     with TwoHosts() as hosts:
         results = run_torch_job(hosts, str(HERE / "ring_bytes.py"), [], nproc_per_host=1, timeout=300,
                                 env={"SUPERKERNEL_FRONTEND": "0"})
@@ -189,7 +191,11 @@ def test_mk_rings_move_half_types_in_half_the_bytes() -> None:
         sent = rep["bytes_per_call"]
         assert sent["gemm_allreduce float32"] >= m * n * 4, sent
         assert sent["gemm_reducescatter float32"] >= m // 2 * n * 4, sent
+        assert sent["all_reduce float32"] >= m * n * 4 and sent["reduce_scatter float32"] >= m // 2 * n * 4, sent
         for dtype, native in rep["native"].items():
+            for op in ("all_reduce", "reduce_scatter"):
+                ratio = sent[f"{op} {dtype}"] / sent[f"{op} float32"]
+                assert ratio < 0.6, (rep["rank"], op, dtype, ratio, sent)
             ar = sent[f"gemm_allreduce {dtype}"] / sent["gemm_allreduce float32"]
             rs = sent[f"gemm_reducescatter {dtype}"] / sent["gemm_reducescatter float32"]
             if native:
