@@ -196,7 +196,7 @@ bool sums_here(const Group& g, at::ScalarType acc_t, at::ScalarType made_t, int 
 
 // mk's collectives sum bf16/fp16 in fp32 and round once (transport/reduce.h): on one host every rank's term in
 // rank order (shm, reduce_many), the sum_in_rank_order of the terms followed by .to(half) bit for bit; across
-// hosts the terms are widened first and the fp32 buffer reduced, what the op did with fp32 terms. So on mk
+// hosts in the order and to the bits of the widened fp32 buffer, what the op did with fp32 terms. So on mk
 // half-type products travel as made (when every rank makes them so: "half_products" in the agreement), not
 // widened into fp32 terms: half the bytes through the staging slots, no widening pass before the collective
 // and no rounding pass after it. 2 ranks, one host, medians of 300 interleaved calls, fp16 512x256x512:

@@ -152,47 +152,57 @@ bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
 // algorithm, order and bits: recursive doubling where the fp32 buffer would take it, else the ring), but a
 // value that is exactly a half-type value travels as one. That is every member's own term on the first
 // step (a sum of two or more terms stays fp32), and, in the ring's allgather, the reduced segments, rounded
-// as every member would round them. At 2 members nothing travels as fp32: half the bytes of the widened
-// buffer. `wide` holds count floats. The ring reads the terms from `terms` and, with `gather_back`, leaves
-// the rounded sums in `out` (which may be `terms`); without (reduce_scatter) only the member's own segment
-// of `wide` is left reduced, for the caller to round.
-void doubling_allreduce_half(Comm& c, const Members& m, char* buf, float* wide, size_t count, DType t, RedOp op,
-                             uint64_t seq, uint64_t check, const Deadline& dl) {
-  std::vector<float> tmp(count);
+// as every member would round them. At 2 members nothing travels as fp32, half the bytes of the widened
+// buffer, and the two terms are summed and rounded in one pass (reduce_many of the half type: fp32 inside),
+// with no fp32 buffer at all.
+void doubling_allreduce_half(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
+                             uint64_t check, const Deadline& dl) {
   std::vector<uint16_t> tmp16(count);
+  const int first = m.at(m.me ^ 1);
+  sendrecv(c, "allreduce", first, buf, count * 2, first, tmp16.data(), count * 2, coll_tag(seq, 0), check, dl);
+  if (m.size() == 2) {
+    const void* srcs[2] = {buf, tmp16.data()};
+    reduce_many(buf, srcs, 2, count, t, op);
+    return;
+  }
+  std::vector<float> wide(count), tmp(count);
+  to_f32(wide.data(), buf, count, t);
+  to_f32(tmp.data(), tmp16.data(), count, t);
   uint32_t step = 0;
   for (int mask = 1; mask < m.size(); mask <<= 1, ++step) {
-    const int partner = m.at(m.me ^ mask);
-    if (step == 0) {
-      sendrecv(c, "allreduce", partner, buf, count * 2, partner, tmp16.data(), count * 2, coll_tag(seq, step), check,
-               dl);
-      to_f32(wide, buf, count, t);
-      to_f32(tmp.data(), tmp16.data(), count, t);
-    } else {
-      sendrecv(c, "allreduce", partner, wide, count * 4, partner, tmp.data(), count * 4, coll_tag(seq, step), check,
-               dl);
+    if (step > 0) {
+      const int partner = m.at(m.me ^ mask);
+      sendrecv(c, "allreduce", partner, wide.data(), count * 4, partner, tmp.data(), count * 4, coll_tag(seq, step),
+               check, dl);
     }
-    const void* srcs[2] = {wide, tmp.data()};
-    reduce_many(wide, srcs, 2, count, DType::f32, op);
+    const void* srcs[2] = {wide.data(), tmp.data()};
+    reduce_many(wide.data(), srcs, 2, count, DType::f32, op);
   }
-  from_f32(buf, wide, count, t);
+  from_f32(buf, wide.data(), count, t);
 }
 
-void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out, float* wide, size_t count,
-                         DType t, RedOp op, uint64_t seq, uint64_t check, const Deadline& dl, bool gather_back) {
+// The ring over `count` half values: `terms` this member's, `own_out` where its reduced segment lands, rounded
+// (nullptr: that segment of `out`); with `out` (allreduce; may be `terms`) the allgather then fills every
+// segment of it, without (reduce_scatter) the ring ends there.
+void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out, char* own_out, size_t count,
+                         DType t, RedOp op, uint64_t seq, uint64_t check, const Deadline& dl) {
   const int R = m.size(), me = m.me;
   const size_t seg = (count + size_t(R) - 1) / size_t(R);
   auto lo = [&](int i) { return std::min(count, seg * size_t(i)); };
   auto len = [&](int i) { return std::min(count, lo(i) + seg) - lo(i); };
-  std::vector<float> tmp(seg);
-  std::vector<uint16_t> tmp16(seg);
+  if (own_out == nullptr) own_out = out + lo(me) * 2;
+  std::vector<uint16_t> tmp16(seg);  // step 0 receives the previous member's term
+  // R > 2: the fp32 partial sums received (steps >= 1), and the segment reduced at step k (sent at step k + 1)
+  // in sums[k % 2]
+  std::vector<float> tmp(R > 2 ? seg : 0), sums[2];
+  if (R > 2) sums[0].resize(seg), sums[1].resize(seg);
   const int right = m.at((me + 1) % R), left = m.at((me - 1 + R) % R);
   // (pieces of as many elements as the fp32 ring's; step 0 moves them in half the bytes)
   const size_t piece = std::max<size_t>((256u << 10) / 4, (seg + kMaxPieces - 1) / kMaxPieces);
   auto term_at = [&](size_t i) { return terms + i * 2; };
-  auto out_at = [&](size_t i) { return out + i * 2; };
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k - 1) % R + R) % R, ri = ((me - k - 2) % R + R) % R;
+    const bool last = k == R - 2;  // then ri == me: the segment reduced is final
     const size_t es = k == 0 ? 2 : 4;  // step 0: the own terms, as they are
     std::vector<RequestPtr> recvs, sends;
     for (size_t p = 0, j = 0; p < std::max<size_t>(len(ri), 1); p += piece, ++j) {
@@ -201,26 +211,33 @@ void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out
                               std::min(piece, len(ri) - std::min(len(ri), p)) * es, check));
     }
     for (size_t p = 0, j = 0; p < std::max<size_t>(len(si), 1); p += piece, ++j) {
-      const char* from = k == 0 ? term_at(lo(si) + p) : reinterpret_cast<const char*>(wide + lo(si) + p);
+      // (si at step k is the segment reduced at step k - 1)
+      const char* from = k == 0 ? term_at(lo(si) + p) : reinterpret_cast<const char*>(sums[(k - 1) % 2].data() + p);
       sends.push_back(c.isend(right, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), from,
                               std::min(piece, len(si) - std::min(len(si), p)) * es, check));
     }
     for (size_t j = 0; j < recvs.size(); ++j) {
       c.wait(recvs[j], dl, "allreduce", left);
       const size_t p = j * piece, n = std::min(piece, len(ri) - std::min(len(ri), p));
-      // (each segment is reduced once here: this member's term, widened, plus what was received, the
-      // previous member's term on step 0, a partial sum after)
-      float* acc = wide + lo(ri) + p;
+      // (each segment is reduced once here: this member's term plus what was received, the previous member's
+      // term on step 0, a partial sum after)
+      if (R == 2) {  // two half-type terms: summed in fp32 and rounded once, in one pass
+        const void* srcs[2] = {term_at(lo(ri) + p), tmp16.data() + p};
+        reduce_many(own_out + p * 2, srcs, 2, n, t, op);
+        continue;
+      }
+      float* acc = sums[k % 2].data() + p;
       to_f32(acc, term_at(lo(ri) + p), n, t);
       if (k == 0) to_f32(tmp.data() + p, tmp16.data() + p, n, t);
       const void* srcs[2] = {acc, tmp.data() + p};
       reduce_many(acc, srcs, 2, n, DType::f32, op);
+      if (last) from_f32(own_out + p * 2, acc, n, t);  // this member's reduced segment, rounded once
     }
     for (auto& q : sends) c.wait(q, dl, "allreduce", right);
   }
-  if (!gather_back) return;
+  if (out == nullptr) return;
   // (after the reduce-scatter: every term this member reads has been read, so `out` may be `terms`)
-  from_f32(out_at(lo(me)), wide + lo(me), len(me), t);  // this member's reduced segment, rounded once
+  auto out_at = [&](size_t i) { return out + i * 2; };
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k) % R + R) % R, ri = ((me - k - 1) % R + R) % R;
     sendrecv(c, "allreduce", right, out_at(lo(si)), len(si) * 2, left, out_at(lo(ri)), len(ri) * 2,
@@ -233,12 +250,11 @@ void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out
 void p2p_allreduce_half(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
                         uint64_t check, const Deadline& dl) {
   if (m.size() == 1) return;
-  std::vector<float> wide(count);
   const bool pow2 = (m.size() & (m.size() - 1)) == 0;
   if (pow2 && count * sizeof(float) <= (64u << 10))
-    doubling_allreduce_half(c, m, buf, wide.data(), count, t, op, seq, check, dl);
+    doubling_allreduce_half(c, m, buf, count, t, op, seq, check, dl);
   else
-    ring_allreduce_half(c, m, buf, buf, wide.data(), count, t, op, seq, check, dl, true);
+    ring_allreduce_half(c, m, buf, buf, nullptr, count, t, op, seq, check, dl);
 }
 
 void p2p_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
@@ -353,10 +369,7 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType t, R
       for (int r = 0; r < R; ++r) copy_bytes(slot + size_t(r) * n * es, src + (size_t(r) * count + off) * es, n * es);
     });
   } else if (is_half(t)) {  // (every member's term, sent as it is on the first step; summed in fp32)
-    std::vector<float> wide(count * size_t(R));
-    ring_allreduce_half(c, Members::all(c), src, nullptr, wide.data(), wide.size(), t, op, seq, d.check(), dl,
-                        false);
-    from_f32(dst, wide.data() + size_t(me) * count, count, t);
+    ring_allreduce_half(c, Members::all(c), src, nullptr, dst, count * size_t(R), t, op, seq, d.check(), dl);
   } else {
     // The ring leaves segment `me` reduced; segments are exactly the blocks when count*R splits evenly.
     std::vector<char> work(src, src + count * size_t(R) * es);
