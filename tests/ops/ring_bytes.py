@@ -46,7 +46,7 @@ def main() -> None:
         block = torch.empty(m // world, n, dtype=dtype)
         calls = (("gemm_allreduce", lambda: mk.gemm_allreduce(a, b)),
                  ("gemm_reducescatter", lambda: mk.gemm_reducescatter(a, b)),
-                 ("all_reduce", lambda: dist.all_reduce(c)),
+                 ("all_reduce", lambda: dist.all_reduce(c.clone())),  # (a fresh copy: no overflow)
                  ("reduce_scatter", lambda: dist.reduce_scatter_tensor(block, c)))
         for name, op in calls:
             for _ in range(40):  # past the chunk tuner's calls (its choice changes message counts, not bytes)

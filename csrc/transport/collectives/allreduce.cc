@@ -99,6 +99,8 @@ struct Members {
 void ring_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t, RedOp op, uint64_t seq,
                     uint64_t check, const Deadline& dl, bool gather_back) {
   const int R = m.size(), me = m.me;
+  // (the op named in errors: reduce_scatter runs the ring without its allgather)
+  const char* what = gather_back ? "allreduce" : "reduce_scatter";
   const size_t es = dtype_size(t);
   const size_t seg = (count + size_t(R) - 1) / size_t(R);
   auto lo = [&](int i) { return std::min(count, seg * size_t(i)); };
@@ -117,17 +119,17 @@ void ring_allreduce(Comm& c, const Members& m, char* buf, size_t count, DType t,
       sends.push_back(c.isend(right, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), buf + (lo(si) + p) * es,
                               std::min(piece, len(si) - std::min(len(si), p)) * es, check));
     for (size_t j = 0; j < recvs.size(); ++j) {
-      c.wait(recvs[j], dl, "allreduce", left);
+      c.wait(recvs[j], dl, what, left);
       const size_t p = j * piece, n = std::min(piece, len(ri) - std::min(len(ri), p));
       const void* srcs[2] = {buf + (lo(ri) + p) * es, tmp.data() + p * es};
       reduce_many(buf + (lo(ri) + p) * es, srcs, 2, n, t, op);
     }
-    for (auto& q : sends) c.wait(q, dl, "allreduce", right);
+    for (auto& q : sends) c.wait(q, dl, what, right);
   }
   if (!gather_back) return;
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k) % R + R) % R, ri = ((me - k - 1) % R + R) % R;
-    sendrecv(c, "allreduce", right, buf + lo(si) * es, len(si) * es, left, buf + lo(ri) * es, len(ri) * es,
+    sendrecv(c, what, right, buf + lo(si) * es, len(si) * es, left, buf + lo(ri) * es, len(ri) * es,
              coll_tag(seq, uint32_t(R + k) * kMaxPieces), check, dl);
   }
 }
@@ -187,6 +189,7 @@ void doubling_allreduce_half(Comm& c, const Members& m, char* buf, size_t count,
 void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out, char* own_out, size_t count,
                          DType t, RedOp op, uint64_t seq, uint64_t check, const Deadline& dl) {
   const int R = m.size(), me = m.me;
+  const char* what = out != nullptr ? "allreduce" : "reduce_scatter";  // (the op named in errors)
   const size_t seg = (count + size_t(R) - 1) / size_t(R);
   auto lo = [&](int i) { return std::min(count, seg * size_t(i)); };
   auto len = [&](int i) { return std::min(count, lo(i) + seg) - lo(i); };
@@ -217,7 +220,7 @@ void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out
                               std::min(piece, len(si) - std::min(len(si), p)) * es, check));
     }
     for (size_t j = 0; j < recvs.size(); ++j) {
-      c.wait(recvs[j], dl, "allreduce", left);
+      c.wait(recvs[j], dl, what, left);
       const size_t p = j * piece, n = std::min(piece, len(ri) - std::min(len(ri), p));
       // (each segment is reduced once here: this member's term plus what was received, the previous member's
       // term on step 0, a partial sum after)
@@ -233,14 +236,14 @@ void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out
       reduce_many(acc, srcs, 2, n, DType::f32, op);
       if (last) from_f32(own_out + p * 2, acc, n, t);  // this member's reduced segment, rounded once
     }
-    for (auto& q : sends) c.wait(q, dl, "allreduce", right);
+    for (auto& q : sends) c.wait(q, dl, what, right);
   }
   if (out == nullptr) return;
   // (after the reduce-scatter: every term this member reads has been read, so `out` may be `terms`)
   auto out_at = [&](size_t i) { return out + i * 2; };
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k) % R + R) % R, ri = ((me - k - 1) % R + R) % R;
-    sendrecv(c, "allreduce", right, out_at(lo(si)), len(si) * 2, left, out_at(lo(ri)), len(ri) * 2,
+    sendrecv(c, what, right, out_at(lo(si)), len(si) * 2, left, out_at(lo(ri)), len(ri) * 2,
              coll_tag(seq, uint32_t(R + k) * kMaxPieces), check, dl);
   }
 }
