@@ -496,6 +496,10 @@ PYBIND11_MODULE(_C, m) {
       "Whether the ops multiply this half type as it is on this process's CPU (else on operands widened to fp32): "
       "oneDNN supports it and SUPERKERNEL_OPS_WIDEN_HALF does not name it (once per process; kernels/pipeline.h).");
 
+  m.def("small_half_gemm", &mk::kernels::small_half_gemm, py::arg("rows"), py::arg("k"), py::arg("n"),
+        "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
+        "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h).");
+
   m.def(
       "tuner_pick",
       [](const std::vector<int64_t>& candidates, const std::vector<std::vector<double>>& seconds) {

@@ -87,6 +87,7 @@ int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d)
 // whose products are its output, multiplies them as they are, as the unfused matmul does.
 struct Products {
   at::Tensor b;       // as multiplied: as given (strides too, see allgather_gemm), or widened to fp32
+  at::Tensor b_wide;  // a half type made as it is, in small GEMMs (small_half_gemm): b widened, else undefined
   bool widen = false;
   // The dtype of a product as made: the input type, or fp32 for a half type widened.
   static at::ScalarType type(const at::Tensor& a, bool exact) {
@@ -95,13 +96,23 @@ struct Products {
     if (!a.device().is_cpu()) return exact ? at::kFloat : t;
     return native_half_gemm(t, a.device()) ? t : at::kFloat;
   }
+  // `max_rows`: the most rows one GEMM of the call multiplies; when even that GEMM is small, a half type made
+  // as it is is made on widened operands and rounded (small_half_gemm), the same type as made.
   // (`widen_anyway`: widen a half type even where it would be multiplied as it is; see allgather_gemm)
-  Products(const at::Tensor& a, const at::Tensor& b_in, bool exact, bool widen_anyway = false)
+  Products(const at::Tensor& a, const at::Tensor& b_in, bool exact, int64_t max_rows, bool widen_anyway = false)
       : widen(type(a, exact) != a.scalar_type() || (widen_anyway && a.scalar_type() != at::kFloat)) {
     b = widen ? b_in.to(at::kFloat) : b_in;
+    if (!widen && b.scalar_type() != at::kFloat && b.device().is_cpu() && b.dim() == 2 &&
+        small_half_gemm(max_rows, b.size(0), b.size(1)))
+      b_wide = b_in.to(at::kFloat);
   }
   // dst = rows @ b, whatever dst's float type.
   void into(at::Tensor dst, const at::Tensor& rows) const {
+    if (b_wide.defined()) {  // (an fp32 dst gets the product as made: rounded, then widened)
+      const at::Tensor p = at::mm(rows.to(at::kFloat), b_wide);
+      dst.copy_(dst.scalar_type() == b.scalar_type() ? p : p.to(b.scalar_type()));
+      return;
+    }
     const at::Tensor lhs = widen ? rows.to(at::kFloat) : rows;
     if (dst.scalar_type() == b.scalar_type())
       at::mm_out(dst, lhs, b);
@@ -114,6 +125,7 @@ struct Products {
       into(acc, rows);
       return acc;
     }
+    if (b_wide.defined()) return at::mm(rows.to(at::kFloat), b_wide).to(b.scalar_type());
     return at::mm(widen ? rows.to(at::kFloat) : rows, b);
   }
 };
@@ -472,7 +484,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    prod.emplace(a_in, b_in, /*exact=*/false);
+    prod.emplace(a_in, b_in, /*exact=*/false, R * m);
     c = at::empty({R * m, n}, a.options());
   };
   // A small shard travels inside the agreement (its bytes to every peer): up to 64 KiB per peer on mk; up to
@@ -526,7 +538,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // Ranks that make half-type products differently (hosts whose processors differ, see native_half_gemm) all
   // widen, so that every rank multiplies each block alike and the output is the same bytes everywhere.
   const bool mixed = ga.extra_min(2) != ga.extra_max(2);
-  if (mixed && !prod->widen) prod.emplace(a_in, b_in, /*exact=*/false, /*widen_anyway=*/true);
+  if (mixed && !prod->widen) prod.emplace(a_in, b_in, /*exact=*/false, R * m, /*widen_anyway=*/true);
   const bool own_done = early_own && (C == 1 || ga.carried()) && !mixed;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer, which
   // the in-place path below never needs)
@@ -693,7 +705,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    prod.emplace(a_in, b_in, /*exact=*/true);
+    prod.emplace(a_in, b_in, /*exact=*/true, m);
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
   auto make_term = [&] {
@@ -882,7 +894,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
-    prod.emplace(a_in, b_in, /*exact=*/true);
+    prod.emplace(a_in, b_in, /*exact=*/true, m);
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
   // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank

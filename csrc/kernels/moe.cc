@@ -246,15 +246,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   at::Tensor y = at::empty({n_recv, f}, x.options());
   // Half types are multiplied as they are where ATen's GEMM is fast on them (accumulating in fp32), else on
   // operands widened to fp32 (see native_half_gemm: fp16 on a CPU without oneDNN support is a plain loop).
-  const bool native = x.scalar_type() == at::kFloat || native_half_gemm(x.scalar_type(), x.device());
-  const at::Tensor wk = native ? w.contiguous() : w.to(at::kFloat);
+  // When even a GEMM of every row received is small (small_half_gemm), a half type made as it is is made
+  // widened and rounded instead: the same type and accumulation, without oneDNN's fixed cost per GEMM.
+  const bool native = x.scalar_type() == at::kFloat ||
+                      (native_half_gemm(x.scalar_type(), x.device()) && !small_half_gemm(n_recv, h, f));
+  // (widened expert by expert as first used: with few rows per expert, widening all of w would cost more
+  // than the GEMMs; multiply runs on this thread only)
+  const at::Tensor wk = native ? w.contiguous() : at::Tensor();
+  std::vector<at::Tensor> wide(native ? 0 : size_t(Er));
   auto multiply = [&](int s, int64_t e, int64_t offset, const at::Tensor& rows) {
     if (rows.size(0) == 0) return;
     at::Tensor out = y.narrow(0, seg[size_t(s)][size_t(e)] + offset, rows.size(0));
-    if (native)
+    if (native) {
       at::mm_out(out, rows, wk[e]);
-    else
-      out.copy_(at::mm(rows.to(at::kFloat), wk[e]));
+      return;
+    }
+    at::Tensor& we = wide[size_t(e)];
+    if (!we.defined()) we = w[e].to(at::kFloat);
+    out.copy_(at::mm(rows.to(at::kFloat), we));
   };
   // Rows [begin, end) of source s's block (sender order: grouped by this rank's local experts) that arrived
   // in `rows`: each expert's part of them is multiplied into its place.

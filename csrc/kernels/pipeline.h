@@ -350,6 +350,17 @@ at::ScalarType accumulate_type(at::ScalarType t);
 // it (see sums_here in gemm_collectives.cc).
 bool native_half_gemm(at::ScalarType t, const c10::Device& device);
 
+// A GEMM of a half type that native_half_gemm makes as it is, small enough (rows x k x n multiply-adds at most
+// kSmallHalfGemm) that oneDNN's fixed cost per call outweighs the arithmetic: the ops make it on operands
+// widened to fp32 and round the product to the half type, which is what the half-type GEMM computes (fp32
+// accumulation, one rounding), in the fp32 GEMM's order. One thread, this VM (AVX512-BF16/FP16, no AMX), fp16
+// as it is against widened and rounded: 128x64x64 0.030 against 0.011 ms, 256x128x128 0.074 against 0.057,
+// 128x256x256 0.174 against 0.169, 512x256x256 0.432 against 0.520 (bf16 was faster widened at every size).
+constexpr double kSmallHalfGemm = double(int64_t(1) << 23);
+inline bool small_half_gemm(int64_t rows, int64_t k, int64_t n) {
+  return double(rows) * double(k) * double(n) <= kSmallHalfGemm;
+}
+
 // A [rows, cols] buffer for an intermediate that does not outlive the op call (never returned): on CPU, up
 // to kScratchBytes, one per thread and dtype, reused by later calls, so the op does not fault in fresh pages
 // each call (a fresh 2 MiB CPU buffer costs ~500 minor faults, ~1 ms on the development VM). Elsewhere, and

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import superkernel  # noqa: F401  (registers "mk" and torch.ops.mk.*)
 import superkernel.ops as mk
+from superkernel import _C
 from rank_tensors import DTYPES, digest, mismatch, path_rules_changed, rank_tensor
 
 failures: dict[str, list[str]] = defaultdict(list)
@@ -111,6 +112,14 @@ def half_sum_problem(c: torch.Tensor, products: list[torch.Tensor], chunks: int,
             f"products, rounded once")
 
 
+def made(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The product x @ y as the GEMM ops make it where they multiply x's half type as it is: in that type, or,
+    for a GEMM small enough (_C.small_half_gemm), on operands widened to fp32 and rounded once."""
+    if x.dtype in (torch.bfloat16, torch.float16) and _C.small_half_gemm(x.shape[0], x.shape[1], y.shape[1]):
+        return (x.float() @ y.float()).to(x.dtype)
+    return x @ y
+
+
 def k_of(r: int, k: int) -> int:
     """Uneven k shards: rank r holds k + r % 2 columns (k = 0 stays 0 on rank 0)."""
     return k + (r % 2)
@@ -124,7 +133,7 @@ def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int,
     c = mk.gemm_allreduce(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))
     digests[f"ar/{m}/{k}/{n}/{dtype}/{chunks}"] = digest(c)
-    return mismatch(c, ref, dtype) or half_sum_problem(c, [x @ y for x, y in zip(a, b_arg)], chunks, c.nbytes)
+    return mismatch(c, ref, dtype) or half_sum_problem(c, [made(x, y) for x, y in zip(a, b_arg)], chunks, c.nbytes)
 
 
 def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int, strided: bool = False) -> str:
@@ -136,7 +145,7 @@ def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks:
     c = mk.gemm_reducescatter(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))[rank * mb:(rank + 1) * mb]
     return mismatch(c, ref, dtype) or half_sum_problem(
-        c, [(x @ y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks, world * c.nbytes)
+        c, [made(x, y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks, world * c.nbytes)
 
 
 def run_ops(large: bool) -> None:
@@ -148,6 +157,14 @@ def run_ops(large: bool) -> None:
             check("allgather_gemm", name, lambda: allgather_gemm_case(m, k, n, dtype, chunks, False))
             check("gemm_allreduce", name, lambda: gemm_allreduce_case(m, k, n, dtype, chunks))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(m, k, n, dtype, chunks))
+    # a k long enough that a half-type product made as it is and one made widened and rounded differ in some
+    # elements, in one GEMM below the small-GEMM limit (8 rows a rank, _C.small_half_gemm) and one above it
+    # (48): one chunk, so the half-type sums are checked bit for bit where that applies (half_sum_problem)
+    for dtype in (torch.bfloat16, torch.float16):
+        for mb in (8, 48):
+            name = f"m={mb * world} k=2048 n=64 {dtype} chunks=1"
+            check("gemm_allreduce", name, lambda: gemm_allreduce_case(mb * world, 2048, 64, dtype, 1))
+            check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(mb, 2048, 64, dtype, 1))
     # every chunk count on one awkward shape (m not divisible by the chunk count), and the gathered A
     for chunks in CHUNKS + [50]:
         for dtype in DTYPES:
@@ -486,7 +503,6 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mk_shm = args.backend == "mk" and os.environ.get("SUPERKERNEL_TRANSPORT") == "shm"
     if (args.backend == "gloo" or mk_shm) and not args.widen_half_on:
-        from superkernel import _C
         exact_half_types.update(t for t in (torch.bfloat16, torch.float16)
                                 if _C.half_gemm_native(str(t).split(".")[1]))
         if mk_shm:

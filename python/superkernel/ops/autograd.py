@@ -61,11 +61,22 @@ def _widened_on_cpu() -> frozenset[torch.dtype]:
 _WIDENED_ON_CPU = _widened_on_cpu()
 
 
+def _small(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether [m, k] x [k, n] is a GEMM the forward ops make widened and rounded although they multiply its
+    half type as it is (small_half_gemm in csrc/kernels/pipeline.h: oneDNN's fixed cost per call outweighs the
+    arithmetic). Symbolic sizes (torch.compile with dynamic shapes) keep the half-type GEMM."""
+    from superkernel import _C
+
+    sizes = (x.shape[0], x.shape[1], y.shape[1])
+    return all(type(v) is int for v in sizes) and _C.small_half_gemm(*sizes)
+
+
 def product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x @ y in x's dtype, in its fastest exact form: a half type ATen has no fast CPU kernel for is
-    multiplied in fp32 and rounded once (against float64, the same largest error as ATen's fp16 loop at k=256
-    and k=4096)."""
-    if x.device.type == "cpu" and x.dtype in _WIDENED_ON_CPU:
+    """x @ y (2-D) in x's dtype, in its fastest exact form: a half type ATen has no fast CPU kernel for, or a
+    GEMM too small for its fast kernel's fixed cost, is multiplied in fp32 and rounded once (against float64,
+    the same largest error as ATen's fp16 loop at k=256 and k=4096)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and (
+            x.dtype in _WIDENED_ON_CPU or _small(x, y)):
         return (x.float() @ y.float()).to(x.dtype)
     return x @ y
 
