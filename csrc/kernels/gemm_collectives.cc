@@ -102,7 +102,7 @@ struct Products {
   Products(const at::Tensor& a, const at::Tensor& b_in, bool exact, int64_t max_rows, bool widen_anyway = false)
       : widen(type(a, exact) != a.scalar_type() || (widen_anyway && a.scalar_type() != at::kFloat)) {
     b = widen ? b_in.to(at::kFloat) : b_in;
-    if (!widen && b.scalar_type() != at::kFloat && b.device().is_cpu() && b.dim() == 2 &&
+    if (!widen && b.scalar_type() != at::kFloat && b.device().is_cpu() && b.dim() == 2 && max_rows > 0 &&
         small_half_gemm(max_rows, b.size(0), b.size(1)))
       b_wide = b_in.to(at::kFloat);
   }

@@ -354,11 +354,15 @@ bool native_half_gemm(at::ScalarType t, const c10::Device& device);
 // kSmallHalfGemm) that oneDNN's fixed cost per call outweighs the arithmetic: the ops make it on operands
 // widened to fp32 and round the product to the half type, which is what the half-type GEMM computes (fp32
 // accumulation, one rounding), in the fp32 GEMM's order. One thread, this VM (AVX512-BF16/FP16, no AMX), fp16
-// as it is against widened and rounded: 128x64x64 0.030 against 0.011 ms, 256x128x128 0.074 against 0.057,
-// 128x256x256 0.174 against 0.169, 512x256x256 0.432 against 0.520 (bf16 was faster widened at every size).
+// as it is against widened (b too) and rounded: 8x64x64 0.020 against 0.005 ms, 128x64x64 0.030 against
+// 0.013, 256x128x128 0.074 against 0.060, 32x512x512 0.162 against 0.146, 512x256x256 0.432 against 0.563
+// (bf16 was faster widened at every size). Widening b ([k, n]) is the cost that grows with it: a fresh fp32
+// copy of 1024x1024 took 0.24 ms, so b is widened only up to kSmallHalfOperand elements (8x1024x1024: 0.269 as
+// it is against 0.460 widened; 16x512x1024: 0.179 against 0.271).
 constexpr double kSmallHalfGemm = double(int64_t(1) << 23);
+constexpr double kSmallHalfOperand = double(int64_t(1) << 18);
 inline bool small_half_gemm(int64_t rows, int64_t k, int64_t n) {
-  return double(rows) * double(k) * double(n) <= kSmallHalfGemm;
+  return double(rows) * double(k) * double(n) <= kSmallHalfGemm && double(k) * double(n) <= kSmallHalfOperand;
 }
 
 // A [rows, cols] buffer for an intermediate that does not outlive the op call (never returned): on CPU, up

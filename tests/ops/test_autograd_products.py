@@ -15,16 +15,18 @@ _ONEDNN = {torch.float32: lambda: True,
            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
 
 
-@pytest.mark.parametrize("rows,small", [(96, True), (192, False)], ids=["small", "large"])
+@pytest.mark.parametrize("rows,n,small", [(96, 64, True), (192, 64, False), (8, 1024, False)],
+                         ids=["small", "large", "small-but-wide-b"])
 @pytest.mark.parametrize("dtype", list(_ONEDNN), ids=str)
-def test_product_is_atens_matmul_or_the_widened_one_as_onednn_allows(dtype: torch.dtype, rows: int,
+def test_product_is_atens_matmul_or_the_widened_one_as_onednn_allows(dtype: torch.dtype, rows: int, n: int,
                                                                      small: bool) -> None:
-    assert _C.small_half_gemm(rows, 1024, 64) == small   # (the two cases sit on either side of the limit)
+    # (the cases sit on either side of the limit: multiply-adds, then the elements of the widened y)
+    assert _C.small_half_gemm(rows, 1024, n) == small
     g = torch.Generator().manual_seed(7)
     x = torch.randn(rows, 1024, generator=g).to(dtype)
-    y = torch.randn(64, 1024, generator=g).to(dtype).t()   # transposed strides, as the backward passes b.t()
+    y = torch.randn(n, 1024, generator=g).to(dtype).t()   # transposed strides, as the backward passes b.t()
     got = product(x, y)
-    assert got.dtype == dtype and got.shape == (rows, 64)
+    assert got.dtype == dtype and got.shape == (rows, n)
     widened = (x.float() @ y.float()).to(dtype)
     native = x @ y
     if dtype != torch.float32:
