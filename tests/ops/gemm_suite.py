@@ -27,6 +27,7 @@ import torch.distributed as dist
 import superkernel  # noqa: F401  (registers "mk" and torch.ops.mk.*)
 import superkernel.ops as mk
 from superkernel import _C
+from superkernel.ops.autograd import product
 from rank_tensors import DTYPES, digest, mismatch, path_rules_changed, rank_tensor
 
 failures: dict[str, list[str]] = defaultdict(list)
@@ -112,14 +113,6 @@ def half_sum_problem(c: torch.Tensor, products: list[torch.Tensor], chunks: int,
             f"products, rounded once")
 
 
-def made(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The product x @ y as the GEMM ops make it where they multiply x's half type as it is: in that type, or,
-    for a GEMM small enough (_C.small_half_gemm), on operands widened to fp32 and rounded once."""
-    if x.dtype in (torch.bfloat16, torch.float16) and _C.small_half_gemm(x.shape[0], x.shape[1], y.shape[1]):
-        return (x.float() @ y.float()).to(x.dtype)
-    return x @ y
-
-
 def k_of(r: int, k: int) -> int:
     """Uneven k shards: rank r holds k + r % 2 columns (k = 0 stays 0 on rank 0)."""
     return k + (r % 2)
@@ -133,7 +126,7 @@ def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int,
     c = mk.gemm_allreduce(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))
     digests[f"ar/{m}/{k}/{n}/{dtype}/{chunks}"] = digest(c)
-    return mismatch(c, ref, dtype) or half_sum_problem(c, [made(x, y) for x, y in zip(a, b_arg)], chunks, c.nbytes)
+    return mismatch(c, ref, dtype) or half_sum_problem(c, [product(x, y) for x, y in zip(a, b_arg)], chunks, c.nbytes)
 
 
 def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int, strided: bool = False) -> str:
@@ -145,7 +138,7 @@ def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks:
     c = mk.gemm_reducescatter(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))[rank * mb:(rank + 1) * mb]
     return mismatch(c, ref, dtype) or half_sum_problem(
-        c, [made(x, y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks, world * c.nbytes)
+        c, [product(x, y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks, world * c.nbytes)
 
 
 def run_ops(large: bool) -> None:

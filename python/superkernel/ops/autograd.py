@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from superkernel import _C
 from superkernel.ops.dispatch import call
 from superkernel.ops.group_names import group_size
 
@@ -53,8 +54,6 @@ def all_reduce(t: torch.Tensor, name: str) -> torch.Tensor:
 # no AMX: 1.2-1.9x). The forward ops' own decision (native_half_gemm in csrc/kernels/pipeline.cc), asked once,
 # at import, so that torch.compile traces the backward through a constant.
 def _widened_on_cpu() -> frozenset[torch.dtype]:
-    from superkernel import _C
-
     return frozenset(t for t in (torch.float16, torch.bfloat16) if not _C.half_gemm_native(str(t).split(".")[1]))
 
 
@@ -65,8 +64,6 @@ def _small(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether [m, k] x [k, n] is a GEMM the forward ops make widened and rounded although they multiply its
     half type as it is (small_half_gemm in csrc/kernels/pipeline.h: oneDNN's fixed cost per call outweighs the
     arithmetic). Symbolic sizes (torch.compile with dynamic shapes) keep the half-type GEMM."""
-    from superkernel import _C
-
     sizes = (x.shape[0], x.shape[1], y.shape[1])
     return all(type(v) is int for v in sizes) and _C.small_half_gemm(*sizes)
 
