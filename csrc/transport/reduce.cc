@@ -122,9 +122,10 @@ __attribute__((target_clones("arch=haswell", "default"))) void reduce_plain(
   }
 }
 
-template <bool BF16, RedOp OP>
+// (WIDE_OUT: the fp32 result is written as it is, not rounded; `out` is then float*)
+template <bool BF16, RedOp OP, bool WIDE_OUT = false>
 __attribute__((target_clones("arch=haswell", "default"))) void reduce_half(
-    uint16_t* out, const void* const* srcs, int nsrc, size_t count) {
+    void* out, const void* const* srcs, int nsrc, size_t count) {
   float acc[kBlock];
   float tmp[kBlock];
   const bool f16c = has_f16c();
@@ -135,7 +136,10 @@ __attribute__((target_clones("arch=haswell", "default"))) void reduce_half(
       half_to_f32<BF16>(static_cast<const uint16_t*>(srcs[j]) + base, tmp, n, f16c);
       combine<float, OP>(acc, tmp, n);
     }
-    f32_to_half<BF16>(acc, out + base, n, f16c);
+    if constexpr (WIDE_OUT)
+      std::memcpy(static_cast<float*>(out) + base, acc, n * sizeof(float));
+    else
+      f32_to_half<BF16>(acc, static_cast<uint16_t*>(out) + base, n, f16c);
   }
 }
 
@@ -167,7 +171,7 @@ struct Plain {
     }
   };
 };
-template <bool BF16>
+template <bool BF16, bool WIDE_OUT = false>
 struct Half {
   template <RedOp OP>
   struct F {
@@ -175,7 +179,7 @@ struct Half {
       if constexpr (OP == RedOp::band || OP == RedOp::bor || OP == RedOp::bxor) {
         return;
       } else {
-        reduce_half<BF16, OP>(static_cast<uint16_t*>(out), s, n, c);
+        reduce_half<BF16, OP, WIDE_OUT>(out, s, n, c);
       }
     }
   };
@@ -258,6 +262,13 @@ void reduce_many(void* out, const void* const* srcs, int nsrc, size_t count, DTy
       return dispatch_op<Plain<uint8_t>::F>(b, out, srcs, nsrc, count);
     }
   }
+}
+
+void reduce_many_to_f32(float* out, const void* const* srcs, int nsrc, size_t count, DType t, RedOp op) {
+  if (count == 0) return;
+  if (t == DType::f16) return dispatch_op<Half<false, true>::F>(op, out, srcs, nsrc, count);
+  if (t == DType::bf16) return dispatch_op<Half<true, true>::F>(op, out, srcs, nsrc, count);
+  throw Error(cat("mk reduce_many_to_f32: ", dtype_name(t), " is not a half type"));
 }
 
 void finish_avg(void* buf, size_t count, DType t, int n) {

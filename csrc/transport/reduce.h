@@ -21,6 +21,10 @@ void check_reducible(DType t, RedOp op, const std::string& what);
 // out may alias any of srcs. AVG is summed here; call finish_avg afterwards.
 void reduce_many(void* out, const void* const* srcs, int nsrc, size_t count, DType t, RedOp op);
 
+// The same for fp16/bf16 terms, with the fp32 result left unrounded in `out` (a host's partial sum that
+// still has terms to meet elsewhere). Throws mk::Error for other types.
+void reduce_many_to_f32(float* out, const void* const* srcs, int nsrc, size_t count, DType t, RedOp op);
+
 // AVG: divide the summed buffer by `n` (integers: truncating division, as torch does for integer AVG).
 void finish_avg(void* buf, size_t count, DType t, int n);
 

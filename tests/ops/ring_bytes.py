@@ -1,6 +1,7 @@
-"""Runs inside every rank of a 2-rank mk job whose ranks are on two network-namespace hosts: the bytes this
-rank's host sends per call of gemm_allreduce and gemm_reducescatter on the ring across hosts, and of mk's own
-all_reduce and reduce_scatter_tensor of a tensor of the product's size, in each dtype.
+"""Runs inside every rank of an mk job whose ranks are on two network-namespace hosts: the bytes this rank's
+host sends per call of gemm_allreduce and gemm_reducescatter on the ring across hosts, and of mk's own
+all_reduce and reduce_scatter_tensor of a tensor of the product's size, in each dtype (with
+--collectives-only, mk's collectives alone: for several ranks per host).
 The host's counters are /proc/net/dev of the rank's own namespace (every interface but loopback), read after
 a barrier before and after a run of calls, so they count the ring's messages (and TCP/IP's headers, and
 the barriers'). Prints one REPORT line per rank: {"rank", "bytes_per_call": {"<op> <dtype>": bytes}, "native":
@@ -31,6 +32,7 @@ def sent_bytes() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--collectives-only", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("mk")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,7 +50,7 @@ def main() -> None:
                  ("gemm_reducescatter", lambda: mk.gemm_reducescatter(a, b)),
                  ("all_reduce", lambda: dist.all_reduce(c.clone())),  # (a fresh copy: no overflow)
                  ("reduce_scatter", lambda: dist.reduce_scatter_tensor(block, c)))
-        for name, op in calls:
+        for name, op in calls[2:] if args.collectives_only else calls:
             for _ in range(40):  # past the chunk tuner's calls (its choice changes message counts, not bytes)
                 op()
             dist.barrier()

@@ -202,3 +202,24 @@ def test_mk_rings_move_half_types_in_half_the_bytes() -> None:
                 assert ar < 0.6 and rs < 0.6, (rep["rank"], dtype, ar, rs, sent)
             else:
                 assert ar < 0.85 and rs > 0.9, (rep["rank"], dtype, ar, rs, sent)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"two namespace hosts unavailable: {REASON}")
+@pytest.mark.netns
+@pytest.mark.slow
+def test_mk_half_allreduce_with_two_ranks_per_host_sends_its_partial_sums_once() -> None:
+    """Two ranks per host: the host's partial sum of fp16/bf16 terms is fp32 (a sum of two terms), so the
+    leaders' ring sends it as fp32 on its reduce-scatter step and the reduced segments, rounded, in the half
+    type: 3 bytes an element at 2 hosts, against 4 for fp32 (the buffer widened to fp32 for the whole way
+    sent as many bytes as fp32, ratio 1.0)."""
+    with TwoHosts() as hosts:
+        results = run_torch_job(hosts, str(HERE / "ring_bytes.py"), ["--collectives-only"], nproc_per_host=2,
+                                timeout=300, env={"SUPERKERNEL_FRONTEND": "0"})
+    reports = rank_reports(results, per_host=2)
+    for rep in reports:
+        m, _, n = rep["shape"]
+        sent = rep["bytes_per_call"]
+        assert sent["all_reduce float32"] >= m * n * 4, sent
+        for dtype in ("float16", "bfloat16"):
+            ratio = sent[f"all_reduce {dtype}"] / sent["all_reduce float32"]
+            assert 0.7 < ratio < 0.85, (rep["rank"], dtype, ratio, sent)

@@ -94,6 +94,7 @@ def same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 VERBOSE = False
+PER_HOST = 0  # --per-host P: the world is 2 hosts of P ranks each, in rank order (enables the layout's checks)
 ONLY: set[str] = set()   # --only FAMILY[,FAMILY]: run just these families (to chase one failure)
 
 
@@ -158,6 +159,36 @@ def run(large: bool) -> None:
                                 f"{float(bits(0)[i])} + {float(bits(1)[i])} gave {float(t[i])}, want {float(want[i])}")
                     return ""
                 check("all_reduce", f"{dtype}/SUM/{n}/every bit pattern", f)
+    # several ranks per host across hosts (ranks 0..P-1 on the first host, the next P on the second, ...): the
+    # host's terms summed in fp32 in rank order, the hosts' fp32 partial sums then summed (at 2 hosts the two
+    # leaders add the same two values) and rounded once. Both leader algorithms: recursive doubling (a small
+    # buffer) and the ring.
+    if PER_HOST > 1 and world == 2 * PER_HOST:
+        for dtype in (torch.float16, torch.bfloat16):
+            for n in (4_099, 1_000_003):
+                def f(dtype=dtype, n=n):
+                    def bits(r: int) -> torch.Tensor:
+                        g = torch.Generator().manual_seed(zlib.crc32(f"hosts/{r}/{n}/{dtype}".encode()))
+                        return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int16).view(dtype)
+                    t = bits(rank).clone()
+                    dist.all_reduce(t)
+                    part = []
+                    for h in range(2):
+                        acc = bits(h * PER_HOST).float()
+                        for r in range(h * PER_HOST + 1, (h + 1) * PER_HOST):
+                            acc = acc + bits(r).float()
+                        part.append(acc)
+                    want = (part[0] + part[1]).to(dtype)
+                    nan = want.isnan()
+                    if not torch.equal(t.isnan(), nan):
+                        return f"NaN where the model's sum is not, or the reverse: {int((t.isnan() != nan).sum())}"
+                    bad = (t.view(torch.int16) != want.view(torch.int16)) & ~nan
+                    if bad.any():
+                        i = int(bad.nonzero()[0][0])
+                        return (f"{int(bad.sum())} sums differ from the hosts' fp32 partial sums added and rounded "
+                                f"once: at {i} got {float(t[i])}, want {float(want[i])}")
+                    return ""
+                check("all_reduce", f"{dtype}/SUM/{n}/{PER_HOST} ranks per host, bits", f)
     # reduce: result at each root, other ranks untouched
     for dtype in [torch.float32, torch.bfloat16, torch.int32, torch.uint8]:
         for root in range(world):
@@ -474,6 +505,9 @@ def run(large: bool) -> None:
 def main() -> None:
     global rank, world, VERBOSE
     large = "--large" in sys.argv
+    global PER_HOST
+    if "--per-host" in sys.argv:
+        PER_HOST = int(sys.argv[sys.argv.index("--per-host") + 1])
     VERBOSE = "--verbose" in sys.argv
     if "--only" in sys.argv:
         ONLY.update(sys.argv[sys.argv.index("--only") + 1].split(","))

@@ -7,6 +7,7 @@
 //    then allgather). fp16/bf16 accumulate as fp32 there, so every sum is accumulated in fp32 and rounded
 //    once; only partial sums of two or more terms travel as fp32 (see p2p_allreduce_half).
 #include <algorithm>
+#include <functional>
 #include <cstring>
 #include <vector>
 
@@ -185,20 +186,26 @@ void doubling_allreduce_half(Comm& c, const Members& m, char* buf, size_t count,
 
 // The ring over `count` half values: `terms` this member's, `own_out` where its reduced segment lands, rounded
 // (nullptr: that segment of `out`); with `out` (allreduce; may be `terms`) the allgather then fills every
-// segment of it, without (reduce_scatter) the ring ends there.
+// segment of it, without (reduce_scatter) the ring ends there. With `wide_terms` (then `terms` is unused)
+// this member's term is an fp32 partial sum (a host's, see hier_allreduce_half): step 0 sends it as fp32,
+// and the sums, their order and the rounding are those of the fp32 ring (ring_allreduce) over those terms.
 void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out, char* own_out, size_t count,
-                         DType t, RedOp op, uint64_t seq, uint64_t check, const Deadline& dl) {
+                         DType t, RedOp op, uint64_t seq, uint64_t check, const Deadline& dl,
+                         const float* wide_terms = nullptr,
+                         const std::function<void(size_t lo, size_t n)>& ensure = nullptr) {
   const int R = m.size(), me = m.me;
   const char* what = out != nullptr ? "allreduce" : "reduce_scatter";  // (the op named in errors)
   const size_t seg = (count + size_t(R) - 1) / size_t(R);
   auto lo = [&](int i) { return std::min(count, seg * size_t(i)); };
   auto len = [&](int i) { return std::min(count, lo(i) + seg) - lo(i); };
   if (own_out == nullptr) own_out = out + lo(me) * 2;
-  std::vector<uint16_t> tmp16(seg);  // step 0 receives the previous member's term
-  // R > 2: the fp32 partial sums received (steps >= 1), and the segment reduced at step k (sent at step k + 1)
-  // in sums[k % 2]
-  std::vector<float> tmp(R > 2 ? seg : 0), sums[2];
-  if (R > 2) sums[0].resize(seg), sums[1].resize(seg);
+  const bool wide = wide_terms != nullptr;
+  std::vector<uint16_t> tmp16(wide ? 0 : seg);  // step 0 receives the previous member's term
+  // R > 2 or wide terms: the fp32 partial sums received (every step but a half-type step 0), and the segment
+  // reduced at step k (sent at step k + 1) in sums[k % 2]
+  const bool fp32_sums = R > 2 || wide;
+  std::vector<float> tmp(fp32_sums ? seg : 0), sums[2];
+  if (fp32_sums) sums[0].resize(seg), sums[1].resize(seg);
   const int right = m.at((me + 1) % R), left = m.at((me - 1 + R) % R);
   // (pieces of as many elements as the fp32 ring's; step 0 moves them in half the bytes)
   const size_t piece = std::max<size_t>((256u << 10) / 4, (seg + kMaxPieces - 1) / kMaxPieces);
@@ -206,16 +213,19 @@ void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out
   for (int k = 0; k < R - 1; ++k) {
     const int si = ((me - k - 1) % R + R) % R, ri = ((me - k - 2) % R + R) % R;
     const bool last = k == R - 2;  // then ri == me: the segment reduced is final
-    const size_t es = k == 0 ? 2 : 4;  // step 0: the own terms, as they are
+    const size_t es = k == 0 && !wide ? 2 : 4;  // step 0: the own terms, as they are
     std::vector<RequestPtr> recvs, sends;
     for (size_t p = 0, j = 0; p < std::max<size_t>(len(ri), 1); p += piece, ++j) {
-      char* into = k == 0 ? reinterpret_cast<char*>(tmp16.data() + p) : reinterpret_cast<char*>(tmp.data() + p);
+      char* into = es == 2 ? reinterpret_cast<char*>(tmp16.data() + p) : reinterpret_cast<char*>(tmp.data() + p);
       recvs.push_back(c.irecv(left, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), into,
                               std::min(piece, len(ri) - std::min(len(ri), p)) * es, check));
     }
     for (size_t p = 0, j = 0; p < std::max<size_t>(len(si), 1); p += piece, ++j) {
       // (si at step k is the segment reduced at step k - 1)
-      const char* from = k == 0 ? term_at(lo(si) + p) : reinterpret_cast<const char*>(sums[(k - 1) % 2].data() + p);
+      if (k == 0 && ensure) ensure(lo(si) + p, std::min(piece, len(si) - std::min(len(si), p)));
+      const char* from = k > 0 ? reinterpret_cast<const char*>(sums[(k - 1) % 2].data() + p)
+                         : wide  ? reinterpret_cast<const char*>(wide_terms + lo(si) + p)
+                                 : term_at(lo(si) + p);
       sends.push_back(c.isend(right, coll_tag(seq, uint32_t(k) * kMaxPieces + uint32_t(j)), from,
                               std::min(piece, len(si) - std::min(len(si), p)) * es, check));
     }
@@ -224,15 +234,21 @@ void ring_allreduce_half(Comm& c, const Members& m, const char* terms, char* out
       const size_t p = j * piece, n = std::min(piece, len(ri) - std::min(len(ri), p));
       // (each segment is reduced once here: this member's term plus what was received, the previous member's
       // term on step 0, a partial sum after)
-      if (R == 2) {  // two half-type terms: summed in fp32 and rounded once, in one pass
+      if (!fp32_sums) {  // two half-type terms: summed in fp32 and rounded once, in one pass
         const void* srcs[2] = {term_at(lo(ri) + p), tmp16.data() + p};
         reduce_many(own_out + p * 2, srcs, 2, n, t, op);
         continue;
       }
       float* acc = sums[k % 2].data() + p;
-      to_f32(acc, term_at(lo(ri) + p), n, t);
-      if (k == 0) to_f32(tmp.data() + p, tmp16.data() + p, n, t);
-      const void* srcs[2] = {acc, tmp.data() + p};
+      const float* own = acc;
+      if (wide) {
+        if (ensure) ensure(lo(ri) + p, n);
+        own = wide_terms + lo(ri) + p;
+      } else {
+        to_f32(acc, term_at(lo(ri) + p), n, t);
+      }
+      if (k == 0 && !wide) to_f32(tmp.data() + p, tmp16.data() + p, n, t);
+      const void* srcs[2] = {own, tmp.data() + p};
       reduce_many(acc, srcs, 2, n, DType::f32, op);
       if (last) from_f32(own_out + p * 2, acc, n, t);  // this member's reduced segment, rounded once
     }
@@ -280,36 +296,134 @@ void shm_bcast_from_leader(Comm& c, char* buf, size_t bytes, const OpDesc& d, co
       [&](int slot, size_t off, size_t n) { if (!leader) copy_bytes(buf + off, s.slot(0, slot), n); });
 }
 
+// One member per host, its first rank (local rank 0, the host's leader); `me` is the index of this rank's host.
+Members host_leaders(const Comm& c) {
+  Members leaders{{}, 0};
+  const auto& peers = c.peers();
+  for (int r = 0; r < c.size(); ++r) {
+    bool first_on_host = true;
+    for (int q = 0; q < r; ++q) first_on_host &= peers[size_t(q)].host_id != peers[size_t(r)].host_id;
+    if (!first_on_host) continue;
+    if (peers[size_t(r)].host_id == peers[size_t(c.rank())].host_id) leaders.me = leaders.size();
+    leaders.ranks.push_back(r);
+  }
+  return leaders;
+}
+
+// A host's partial sums of fp16/bf16 terms, in fp32 on its leader: every local rank stages its terms in its
+// slot as they are and the leader sums them (in local rank order, as the fp32 shm reduction sums) into
+// `wide`. Chunk by chunk, on demand: the leader's ring asks for the elements it is about to send or reduce
+// (`ensure`), so the host's reduction of one piece overlaps the network moving the previous ones. Every rank
+// of the host runs the same chunks in the same order: segment h - 1, h - 2, ... of the ring's H segments (h
+// the host's index), the order in which ring_allreduce_half first reads them; the others only stage theirs.
+class HostPartials {
+ public:
+  HostPartials(Comm& c, const char* buf, size_t count, DType t, RedOp op, const OpDesc& d, const Deadline& dl,
+               const Members& hosts)
+      : c_(c), s_(*c.shm()), buf_(buf), t_(t), op_(op), d_(d), dl_(dl),
+        wide_(s_.local_rank() == 0 ? count : 0), srcs_(size_t(s_.local_size())) {
+    const int H = hosts.size();
+    const size_t seg = (count + size_t(H) - 1) / size_t(H), per = s_.chunk_bytes() / 2;
+    for (int i = 1; i <= H; ++i) {
+      const size_t lo = std::min(count, seg * size_t(((hosts.me - i) % H + H) % H)), hi = std::min(count, lo + seg);
+      for (size_t off = lo; off < hi; off += per) chunks_.push_back({off, std::min(per, hi - off)});
+    }
+    if (chunks_.empty()) chunks_.push_back({0, 0});  // (one step even when empty: every rank meets the others)
+  }
+  float* wide() { return wide_.data(); }
+  // The first chunk, whose step compares every local rank's descriptor: run before the leader posts anything
+  // to the network, so that a mismatch throws on every local rank with no receive left posted.
+  void start() {
+    if (next_ == 0) run(chunks_[next_++]);
+  }
+  // Elements [lo, lo + n) of the leader's partial sums are ready after this.
+  void ensure(size_t lo, size_t n) {
+    while (next_ < chunks_.size() && !covered(lo, n)) run(chunks_[next_++]);
+  }
+  void finish() {
+    while (next_ < chunks_.size()) run(chunks_[next_++]);
+  }
+
+ private:
+  struct Chunk {
+    size_t off, n;
+  };
+  bool covered(size_t lo, size_t n) const {  // (the chunks of a segment run in order, so their ends suffice)
+    size_t need = lo, end = lo + n;
+    for (size_t i = 0; i < next_ && need < end; ++i)
+      if (chunks_[i].off <= need && need < chunks_[i].off + chunks_[i].n) need = chunks_[i].off + chunks_[i].n;
+    return need >= end;
+  }
+  void run(const Chunk& ch) {
+    const int slot = shm_begin(c_, d_, dl_);
+    copy_bytes(s_.slot(s_.local_rank(), slot), buf_ + ch.off * 2, ch.n * 2);
+    shm_ready(c_, slot, d_, first_, dl_);
+    first_ = false;
+    if (s_.local_rank() == 0) {
+      for (int r = 0; r < s_.local_size(); ++r) srcs_[size_t(r)] = s_.slot(r, slot);
+      reduce_many_to_f32(wide_.data() + ch.off, srcs_.data(), s_.local_size(), ch.n, t_, op_);
+    }
+    shm_done(c_, slot);
+  }
+  Comm& c_;
+  ShmProvider& s_;
+  const char* buf_;
+  DType t_;
+  RedOp op_;
+  const OpDesc& d_;
+  const Deadline& dl_;
+  std::vector<float> wide_;
+  std::vector<const void*> srcs_;
+  std::vector<Chunk> chunks_;
+  size_t next_ = 0;
+  bool first_ = true;
+};
+
+// fp16/bf16 across hosts with several ranks on this host. The host's terms reach the leader's fp32 partial
+// sum through the staging slots as they are (half the bytes of widened terms, and no widening pass on any
+// rank), chunk by chunk as the leaders' ring needs them (HostPartials); the ring sends those partial sums as
+// fp32 on its first step (a sum of two or more terms) and the reduced segments, rounded, in its allgather;
+// the result returns through the slots in the half type. The sums, their order and the one rounding are
+// those of the buffer widened to fp32 and reduced by the fp32 path (the host's terms in local rank order,
+// then the leaders' recursive doubling or ring), so the bits are the same; what crosses the network per
+// leader is (H - 1) / H of the buffer as fp32 plus as much as the half type (3 bytes an element at 2 hosts,
+// against 4 widened).
+void hier_allreduce_half(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, const OpDesc& d,
+                         const Deadline& dl) {
+  const Members leaders = host_leaders(c);
+  HostPartials host(c, buf, count, t, op, d, dl, leaders);
+  host.start();
+  const bool pow2 = (leaders.size() & (leaders.size() - 1)) == 0;
+  if (c.shm()->local_rank() != 0 || (pow2 && count * sizeof(float) <= (64u << 10))) {
+    host.finish();
+    if (c.shm()->local_rank() == 0) {  // (p2p_allreduce's recursive doubling, on the fp32 sums)
+      p2p_allreduce(c, leaders, reinterpret_cast<char*>(host.wide()), count, DType::f32, op, seq, d.check(), dl);
+      from_f32(buf, host.wide(), count, t);
+    }
+  } else {
+    ring_allreduce_half(c, leaders, nullptr, buf, nullptr, count, t, op, seq, d.check(), dl, host.wide(),
+                        [&host](size_t lo, size_t n) { host.ensure(lo, n); });
+    host.finish();
+  }
+  shm_bcast_from_leader(c, buf, count * 2, d, dl);
+}
+
 // Across hosts. With several ranks on this host: reduce inside the host over shared memory, allreduce
 // among one leader per host over the network, broadcast back inside the host, so each byte crosses the
 // network once per host instead of once per rank. fp16/bf16: with one rank per host every member's term
-// travels as it is where it can (p2p_allreduce_half); with several, the host's partial sum is fp32, and the
-// buffer is widened to fp32 for the whole way.
+// travels as it is where it can (p2p_allreduce_half); with several, the host's partial sum travels as fp32
+// and the result as the half type (hier_allreduce_half).
 void multi_host_allreduce(Comm& c, char* buf, size_t count, DType t, RedOp op, uint64_t seq, const OpDesc& d,
                           const Deadline& dl) {
-  if (is_half(t) && (c.shm() == nullptr || c.shm()->local_size() == 1))
-    return p2p_allreduce_half(c, Members::all(c), buf, count, t, op, seq, d.check(), dl);
-  if (is_half(t)) {
-    std::vector<float> wide(count);
-    to_f32(wide.data(), buf, count, t);
-    multi_host_allreduce(c, reinterpret_cast<char*>(wide.data()), count, DType::f32, op, seq, d, dl);
-    from_f32(buf, wide.data(), count, t);
-    return;
-  }
   ShmProvider* s = c.shm();
-  if (s == nullptr || s->local_size() == 1) return p2p_allreduce(c, Members::all(c), buf, count, t, op, seq, d.check(), dl);
-  shm_allreduce(c, buf, count, t, op, d, dl);
-  if (s->local_rank() == 0) {
-    Members leaders{{}, 0};
-    for (int r = 0; r < c.size(); ++r) {
-      bool first_on_host = true;
-      for (int q = 0; q < r; ++q) first_on_host &= c.peers()[size_t(q)].host_id != c.peers()[size_t(r)].host_id;
-      if (!first_on_host) continue;
-      if (r == c.rank()) leaders.me = leaders.size();
-      leaders.ranks.push_back(r);
-    }
-    p2p_allreduce(c, leaders, buf, count, t, op, seq, d.check(), dl);
+  const bool alone = s == nullptr || s->local_size() == 1;
+  if (is_half(t)) {
+    if (alone) return p2p_allreduce_half(c, Members::all(c), buf, count, t, op, seq, d.check(), dl);
+    return hier_allreduce_half(c, buf, count, t, op, seq, d, dl);
   }
+  if (alone) return p2p_allreduce(c, Members::all(c), buf, count, t, op, seq, d.check(), dl);
+  shm_allreduce(c, buf, count, t, op, d, dl);
+  if (s->local_rank() == 0) p2p_allreduce(c, host_leaders(c), buf, count, t, op, seq, d.check(), dl);
   shm_bcast_from_leader(c, buf, count * dtype_size(t), d, dl);
 }
 
