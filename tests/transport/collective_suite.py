@@ -93,6 +93,24 @@ def same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str:
     return ""
 
 
+def half_bits(tag: str, r: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank r's n random fp16/bf16 bit patterns for check `tag` (infinities, NaNs and subnormals among them)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{r}/{n}/{dtype}".encode()))
+    return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int16).view(dtype)
+
+
+def bits_differ(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+    """Whether a half-type result has want's bits (NaNs compared as NaNs): "" or where the first differs."""
+    nan = want.isnan()
+    if not torch.equal(got.isnan(), nan):
+        return f"NaN where {what} is not, or the reverse: {int((got.isnan() != nan).sum())}"
+    bad = (got.view(torch.int16) != want.view(torch.int16)) & ~nan
+    if bad.any():
+        i = int(bad.nonzero()[0][0])
+        return f"{int(bad.sum())} sums differ from {what}: at {i} got {float(got[i])}, want {float(want[i])}"
+    return ""
+
+
 VERBOSE = False
 PER_HOST = 0  # --per-host P: the world is 2 hosts of P ranks each, in rank order (enables the layout's checks)
 ONLY: set[str] = set()   # --only FAMILY[,FAMILY]: run just these families (to chase one failure)
@@ -143,21 +161,10 @@ def run(large: bool) -> None:
         for dtype in (torch.float16, torch.bfloat16):
             for n in (65_536 + 13, 1_000_003):
                 def f(dtype=dtype, n=n):
-                    def bits(r: int) -> torch.Tensor:
-                        g = torch.Generator().manual_seed(zlib.crc32(f"exact/{r}/{n}/{dtype}".encode()))
-                        return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int16).view(dtype)
-                    t = bits(rank).clone()
+                    t = half_bits("exact", rank, n, dtype).clone()
                     dist.all_reduce(t)
-                    want = (bits(0).float() + bits(1).float()).to(dtype)
-                    nan = want.isnan()
-                    if not torch.equal(t.isnan(), nan):
-                        return f"NaN where the fp32 sum is not, or the reverse: {int((t.isnan() != nan).sum())}"
-                    bad = (t.view(torch.int16) != want.view(torch.int16)) & ~nan
-                    if bad.any():
-                        i = int(bad.nonzero()[0][0])
-                        return (f"{int(bad.sum())} sums not rounded as torch rounds: at {i} "
-                                f"{float(bits(0)[i])} + {float(bits(1)[i])} gave {float(t[i])}, want {float(want[i])}")
-                    return ""
+                    a, b = half_bits("exact", 0, n, dtype), half_bits("exact", 1, n, dtype)
+                    return bits_differ(t, (a.float() + b.float()).to(dtype), "the fp32 sum rounded as torch rounds it")
                 check("all_reduce", f"{dtype}/SUM/{n}/every bit pattern", f)
     # several ranks per host across hosts (ranks 0..P-1 on the first host, the next P on the second, ...): the
     # host's terms summed in fp32 in rank order, the hosts' fp32 partial sums then summed (at 2 hosts the two
@@ -167,27 +174,16 @@ def run(large: bool) -> None:
         for dtype in (torch.float16, torch.bfloat16):
             for n in (4_099, 1_000_003):
                 def f(dtype=dtype, n=n):
-                    def bits(r: int) -> torch.Tensor:
-                        g = torch.Generator().manual_seed(zlib.crc32(f"hosts/{r}/{n}/{dtype}".encode()))
-                        return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int16).view(dtype)
-                    t = bits(rank).clone()
+                    t = half_bits("hosts", rank, n, dtype).clone()
                     dist.all_reduce(t)
                     part = []
                     for h in range(2):
-                        acc = bits(h * PER_HOST).float()
+                        acc = half_bits("hosts", h * PER_HOST, n, dtype).float()
                         for r in range(h * PER_HOST + 1, (h + 1) * PER_HOST):
-                            acc = acc + bits(r).float()
+                            acc = acc + half_bits("hosts", r, n, dtype).float()
                         part.append(acc)
-                    want = (part[0] + part[1]).to(dtype)
-                    nan = want.isnan()
-                    if not torch.equal(t.isnan(), nan):
-                        return f"NaN where the model's sum is not, or the reverse: {int((t.isnan() != nan).sum())}"
-                    bad = (t.view(torch.int16) != want.view(torch.int16)) & ~nan
-                    if bad.any():
-                        i = int(bad.nonzero()[0][0])
-                        return (f"{int(bad.sum())} sums differ from the hosts' fp32 partial sums added and rounded "
-                                f"once: at {i} got {float(t[i])}, want {float(want[i])}")
-                    return ""
+                    return bits_differ(t, (part[0] + part[1]).to(dtype),
+                                       "the hosts' fp32 partial sums added and rounded once")
                 check("all_reduce", f"{dtype}/SUM/{n}/{PER_HOST} ranks per host, bits", f)
     # reduce: result at each root, other ranks untouched
     for dtype in [torch.float32, torch.bfloat16, torch.int32, torch.uint8]:
@@ -503,9 +499,8 @@ def run(large: bool) -> None:
 
 
 def main() -> None:
-    global rank, world, VERBOSE
+    global rank, world, VERBOSE, PER_HOST
     large = "--large" in sys.argv
-    global PER_HOST
     if "--per-host" in sys.argv:
         PER_HOST = int(sys.argv[sys.argv.index("--per-host") + 1])
     VERBOSE = "--verbose" in sys.argv

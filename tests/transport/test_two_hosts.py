@@ -17,8 +17,8 @@ _reports: list[dict] = []
 def reports() -> list[dict]:
     if not _reports:
         with TwoHosts() as hosts:
-            results = run_torch_job(hosts, str(HERE / "collective_suite.py"), ["--large", "--per-host", "2"], nproc_per_host=2,
-                                    timeout=900, env={"SUPERKERNEL_TRANSPORT": "auto", "SUPERKERNEL_FRONTEND": "0"})
+            results = run_torch_job(hosts, str(HERE / "collective_suite.py"), ["--large", "--per-host", "2"],
+                                    nproc_per_host=2, timeout=900, env={"SUPERKERNEL_TRANSPORT": "auto", "SUPERKERNEL_FRONTEND": "0"})
         _reports.extend(rank_reports(results, per_host=2))
     return _reports
 

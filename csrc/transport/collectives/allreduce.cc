@@ -5,10 +5,11 @@
 //  - across hosts: hierarchical when a host has several ranks (shm inside, leaders over the network); among
 //    the network members recursive doubling for small power-of-two groups, else a ring (reduce-scatter
 //    then allgather). fp16/bf16 accumulate as fp32 there, so every sum is accumulated in fp32 and rounded
-//    once; only partial sums of two or more terms travel as fp32 (see p2p_allreduce_half).
+//    once; only partial sums of two or more terms travel as fp32 (see p2p_allreduce_half, and
+//    hier_allreduce_half for a host's partial sum).
 #include <algorithm>
-#include <functional>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "transport/collectives/collective.h"
