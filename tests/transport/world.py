@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,18 +59,34 @@ def start_world(n: int, script: str, args: list[str], env: dict[str, str] | None
 
 
 def collect(procs: list[subprocess.Popen], timeout: float) -> list[RankResult]:
+    """Every rank's output and exit code. All ranks' pipes are read at once (one thread each): a rank that
+    writes more than a pipe holds (64 KiB; a traced suite does) while another is still being waited for
+    would otherwise block in its write, and its peers in their collectives with it. Ranks still running at
+    the deadline are killed (all of them)."""
+    outputs: list[tuple[str, str]] = [("", "")] * len(procs)
+
+    def drain(r: int) -> None:
+        outputs[r] = procs[r].communicate()
+
+    readers = [threading.Thread(target=drain, args=(r,), daemon=True) for r in range(len(procs))]
+    for t in readers:
+        t.start()
     deadline = time.monotonic() + timeout
+    for t in readers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    late = [r for r, t in enumerate(readers) if t.is_alive()]
+    if late:
+        for q in procs:
+            try:
+                os.killpg(q.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for t in readers:
+        t.join()
     results = []
     for r, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                try:
-                    os.killpg(q.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            out, err = p.communicate()
+        out, err = outputs[r]
+        if r in late:
             err += f"\n[world.py] rank {r} killed after the {timeout:.0f}s timeout"
         results.append(RankResult(r, p.returncode, out, err))
     return results
