@@ -486,19 +486,35 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("host_identity", &mk::host_identity, "The identity mk uses to decide which ranks share memory.");
 
+  auto half_type = [](const std::string& dtype, const char* fn) {
+    TORCH_CHECK(dtype == "bfloat16" || dtype == "float16", fn, ": bfloat16 or float16, not ", dtype);
+    return dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  };
   m.def(
       "half_gemm_native",
-      [](const std::string& dtype) {
-        TORCH_CHECK(dtype == "bfloat16" || dtype == "float16", "half_gemm_native: bfloat16 or float16, not ", dtype);
-        return mk::kernels::native_half_gemm(dtype == "bfloat16" ? at::kBFloat16 : at::kHalf, c10::Device("cpu"));
+      [half_type](const std::string& dtype) {
+        return mk::kernels::native_half_gemm(half_type(dtype, "half_gemm_native"), c10::Device("cpu"));
       },
       py::arg("dtype"),
       "Whether the ops multiply this half type as it is on this process's CPU (else on operands widened to fp32): "
       "oneDNN supports it and SUPERKERNEL_OPS_WIDEN_HALF does not name it (once per process; kernels/pipeline.h).");
 
-  m.def("small_half_gemm", &mk::kernels::small_half_gemm, py::arg("rows"), py::arg("k"), py::arg("n"),
-        "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
-        "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h).");
+  m.def(
+      "small_half_limit",
+      [half_type](const std::string& dtype) { return mk::kernels::small_half_limit(half_type(dtype, "small_half_limit")); },
+      py::arg("dtype"),
+      "The most multiply-adds of a GEMM of this half type that the ops, where they multiply it as it is, make on "
+      "operands widened to fp32 and rounded instead: SUPERKERNEL_OPS_SMALL_HALF_GEMM, else measured on this CPU at "
+      "the first call (kernels/pipeline.h); 0 where the type is widened anyway.");
+  m.def(
+      "small_half_gemm",
+      [half_type](const std::string& dtype, int64_t rows, int64_t k, int64_t n) {
+        return mk::kernels::small_half_gemm(half_type(dtype, "small_half_gemm"), rows, k, n);
+      },
+      py::arg("dtype"), py::arg("rows"), py::arg("k"), py::arg("n"),
+      "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
+      "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h).");
+  m.attr("small_half_gemm_operand") = int64_t(mk::kernels::kSmallHalfOperand);
 
   m.def(
       "tuner_pick",

@@ -97,13 +97,16 @@ struct Products {
     return native_half_gemm(t, a.device()) ? t : at::kFloat;
   }
   // `max_rows`: the most rows one GEMM of the call multiplies; when even that GEMM is small, a half type made
-  // as it is is made on widened operands and rounded (small_half_gemm), the same type as made.
+  // as it is is made on widened operands and rounded (small_half_gemm with `small_limit`; -1: this process's
+  // small_half_limit), the same type as made.
   // (`widen_anyway`: widen a half type even where it would be multiplied as it is; see allgather_gemm)
-  Products(const at::Tensor& a, const at::Tensor& b_in, bool exact, int64_t max_rows, bool widen_anyway = false)
+  Products(const at::Tensor& a, const at::Tensor& b_in, bool exact, int64_t max_rows, bool widen_anyway = false,
+           int64_t small_limit = -1)
       : widen(type(a, exact) != a.scalar_type() || (widen_anyway && a.scalar_type() != at::kFloat)) {
     b = widen ? b_in.to(at::kFloat) : b_in;
     if (!widen && b.scalar_type() != at::kFloat && b.device().is_cpu() && b.dim() == 2 && max_rows > 0 &&
-        small_half_gemm(max_rows, b.size(0), b.size(1)))
+        small_half_gemm(max_rows, b.size(0), b.size(1),
+                        small_limit >= 0 ? small_limit : small_half_limit(b.scalar_type())))
       b_wide = b_in.to(at::kFloat);
   }
   // dst = rows @ b, whatever dst's float type.
@@ -286,6 +289,8 @@ class GemmAgreement {
     for (const auto& r : all_) v = std::max(v, r.at(kFirstExtra + j));
     return v;
   }
+  // After chunks(): what rank 0 passed for extra field j.
+  int64_t extra_of_rank0(size_t j) const { return all_.at(0).at(kFirstExtra + j); }
   int64_t chunks() {
     all_ = agreement_->result();
     const int64_t C = all_[0].back();
@@ -493,6 +498,17 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     prod.emplace(a_in, b_in, /*exact=*/false, R * m);
     c = at::empty({R * m, n}, a.options());
   };
+  // A half type made as it is: which GEMMs are small enough to make widened is measured per process
+  // (small_half_limit) and may differ between ranks; every rank uses rank 0's limit, so that each block is
+  // multiplied alike everywhere. (A bad setting is an error of this rank's, reported on every rank.)
+  bool made_half = false;
+  int64_t small_limit = 0;
+  try {
+    made_half = Products::type(a_in, /*exact=*/false) != at::kFloat;
+    if (err.empty() && made_half && a_in.device().is_cpu()) small_limit = small_half_limit(a_in.scalar_type());
+  } catch (const c10::Error& e) {
+    if (err.empty()) err = e.what_without_backtrace();
+  }
   // A small shard travels inside the agreement (its bytes to every peer): up to 64 KiB per peer on mk; up to
   // 4 MiB on other backends (kCarryMaxGather), where those sends are what the allgather would send, and the
   // exchange then hides this rank's own rows' product (early_own) and saves a second exchange. Gloo between
@@ -507,10 +523,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     carried.data = [&a](int) { return a.data_ptr(); };
   }
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
-  const bool made_half = Products::type(a_in, /*exact=*/false) != at::kFloat;
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true},
-                    {"half_products", int64_t(made_half), false}},
+                    {"half_products", int64_t(made_half), false}, {"small_half_limit", small_limit, false}},
                    std::move(carried));
   // Other backends on CPU (Gloo): the agreement is an exchange of its own (384 B each way took 0.18-0.32 ms
   // on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
@@ -544,8 +559,10 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   // Ranks that make half-type products differently (hosts whose processors differ, see native_half_gemm) all
   // widen, so that every rank multiplies each block alike and the output is the same bytes everywhere.
   const bool mixed = ga.extra_min(2) != ga.extra_max(2);
+  const bool other_limit = !mixed && ga.extra_of_rank0(3) != small_limit;
   if (mixed && !prod->widen) prod.emplace(a_in, b_in, /*exact=*/false, R * m, /*widen_anyway=*/true);
-  const bool own_done = early_own && (C == 1 || ga.carried()) && !mixed;
+  if (other_limit) prod.emplace(a_in, b_in, /*exact=*/false, R * m, false, ga.extra_of_rank0(3));
+  const bool own_done = early_own && (C == 1 || ga.carried()) && !mixed && !other_limit;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer, which
   // the in-place path below never needs)
   at::Tensor gathered;

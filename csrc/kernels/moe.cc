@@ -249,7 +249,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_gemm(const at::Tenso
   // When even a GEMM of every row received is small (small_half_gemm), a half type made as it is is made
   // widened and rounded instead: the same type and accumulation, without oneDNN's fixed cost per GEMM.
   const bool native = x.scalar_type() == at::kFloat ||
-                      (native_half_gemm(x.scalar_type(), x.device()) && !small_half_gemm(n_recv, h, f));
+                      (native_half_gemm(x.scalar_type(), x.device()) &&
+                       !small_half_gemm(x.scalar_type(), n_recv, h, f));
   // (widened expert by expert as first used: with few rows per expert, widening all of w would cost more
   // than the GEMMs; multiply runs on this thread only)
   const at::Tensor wk = native ? w.contiguous() : at::Tensor();

@@ -212,6 +212,8 @@ class Pipeline {
   void trace(const Args&... what) const {
     if (tracing()) emit_trace(c10::str(what...));
   }
+  // Whether SUPERKERNEL_OPS_TRACE is on (read once).
+  static bool tracing();
 
   // Make what the caller's stream computed into `t` visible to communication issued after this call.
   // No-op on CPU and for stream-aware backends (nccl).
@@ -277,7 +279,6 @@ class Pipeline {
   std::chrono::steady_clock::time_point started_;
   Tuner* tuner_ = nullptr;  // set by chunks() for automatic counts; owned by the group's state
   int64_t chunks_used_ = 0;
-  static bool tracing();
   void emit_trace(const std::string& line) const;
   mutable int8_t in_place_env_ = -1;  // SUPERKERNEL_OPS_IN_PLACE as this call read it (-1: not yet)
   bool inline_ = false;  // the next lane collective runs on the caller's thread (lane idle, nothing to overlap)
@@ -351,18 +352,30 @@ at::ScalarType accumulate_type(at::ScalarType t);
 bool native_half_gemm(at::ScalarType t, const c10::Device& device);
 
 // A GEMM of a half type that native_half_gemm makes as it is, small enough (rows x k x n multiply-adds at most
-// kSmallHalfGemm) that oneDNN's fixed cost per call outweighs the arithmetic: the ops make it on operands
+// small_half_limit(t)) that oneDNN's fixed cost per call outweighs the arithmetic: the ops make it on operands
 // widened to fp32 and round the product to the half type, which is what the half-type GEMM computes (fp32
-// accumulation, one rounding), in the fp32 GEMM's order. One thread, this VM (AVX512-BF16/FP16, no AMX), fp16
-// as it is against widened (b too) and rounded: 8x64x64 0.020 against 0.005 ms, 128x64x64 0.030 against
-// 0.013, 256x128x128 0.074 against 0.060, 32x512x512 0.162 against 0.146, 512x256x256 0.432 against 0.563
-// (bf16 was faster widened at every size). Widening b ([k, n]) is the cost that grows with it: a fresh fp32
-// copy of 1024x1024 took 0.24 ms, so b is widened only up to kSmallHalfOperand elements (8x1024x1024: 0.269 as
-// it is against 0.460 widened; 16x512x1024: 0.179 against 0.271).
+// accumulation, one rounding), in the fp32 GEMM's order. Where that pays depends on the processor, so the
+// limit is measured once per process and type (calibrate_small_half in pipeline.cc), unless
+// SUPERKERNEL_OPS_SMALL_HALF_GEMM sets it. One thread, fp16 / bf16 as it is against widened (b too) and
+// rounded, ms: on an Intel VM (AVX512-BF16 and -FP16, no AMX) 128x64x64 0.030 against 0.013, 512x256x256
+// 0.432 against 0.563 (bf16 faster widened at every size); on an AMD EPYC VM (AVX512-BF16, no -FP16) bf16
+// 8x64x64 0.016 against 0.007, 128x64x64 0.020 against 0.020, 128x256x256 0.101 against 0.179.
+// Widening b ([k, n]) is the cost that grows with it: a fresh fp32 copy of 1024x1024 took 0.24 ms, so b is
+// widened only up to kSmallHalfOperand elements (8x1024x1024: 0.269 as it is against 0.460 widened; 16x512x1024:
+// 0.179 against 0.271), and no limit exceeds kSmallHalfGemm.
 constexpr double kSmallHalfGemm = double(int64_t(1) << 23);
 constexpr double kSmallHalfOperand = double(int64_t(1) << 18);
-inline bool small_half_gemm(int64_t rows, int64_t k, int64_t n) {
-  return double(rows) * double(k) * double(n) <= kSmallHalfGemm && double(k) * double(n) <= kSmallHalfOperand;
+// The limit for `t` (bf16, fp16) in multiply-adds: SUPERKERNEL_OPS_SMALL_HALF_GEMM (an integer, both types;
+// 0: never widen) or, without it, this CPU's crossover measured at the first call (a power of two in
+// [2^17, kSmallHalfGemm], or 0 where widening never paid); 0 for a type native_half_gemm widens anyway (the
+// question does not arise). Ranks may differ in it, as they may in native_half_gemm; an op whose ranks must
+// all make one product alike (allgather_gemm) agrees on rank 0's.
+int64_t small_half_limit(at::ScalarType t);
+inline bool small_half_gemm(int64_t rows, int64_t k, int64_t n, int64_t limit) {
+  return double(rows) * double(k) * double(n) <= double(limit) && double(k) * double(n) <= kSmallHalfOperand;
+}
+inline bool small_half_gemm(at::ScalarType t, int64_t rows, int64_t k, int64_t n) {
+  return small_half_gemm(rows, k, n, small_half_limit(t));
 }
 
 // A [rows, cols] buffer for an intermediate that does not outlive the op call (never returned): on CPU, up

@@ -6,9 +6,12 @@ exact_half_types). Prints one REPORT line: failures per family, result digests (
 ranks), timings, and how many results were checked bit for bit.
 
     python gemm_suite.py [--backend mk|gloo] [--errors] [--opcheck] [--compile] [--large] [--widen-half-on R,...]
+                         [--small-half-gemm-on R:N,...]
 
 --widen-half-on sets SUPERKERNEL_OPS_WIDEN_HALF=1 on the ranks listed only, as in a cluster whose processors
-differ in oneDNN bf16/fp16 support (the ops read it at their first half-type call).
+differ in oneDNN bf16/fp16 support (the ops read it at their first half-type call). --small-half-gemm-on sets
+SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R (else each rank measures its own small-GEMM limit; the models of
+the products use every rank's, gathered at the start).
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ rank = world = 0
 exact_half_types: set[torch.dtype] = set()
 exact_half_bytes = float("inf")
 exact_half_sums = 0
+# Every rank's small-GEMM limit per half type (_C.small_half_limit there): the products it makes widened.
+small_limits: list[dict[torch.dtype, int]] = []
 
 
 def check(family: str, name: str, fn) -> None:
@@ -113,6 +118,11 @@ def half_sum_problem(c: torch.Tensor, products: list[torch.Tensor], chunks: int,
             f"products, rounded once")
 
 
+def products(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's partial product as that rank makes it (its own small-GEMM limit)."""
+    return [product(x, y, small_limits[r].get(x.dtype)) for r, (x, y) in enumerate(zip(a, b))]
+
+
 def k_of(r: int, k: int) -> int:
     """Uneven k shards: rank r holds k + r % 2 columns (k = 0 stays 0 on rank 0)."""
     return k + (r % 2)
@@ -126,7 +136,7 @@ def gemm_allreduce_case(m: int, k: int, n: int, dtype: torch.dtype, chunks: int,
     c = mk.gemm_allreduce(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))
     digests[f"ar/{m}/{k}/{n}/{dtype}/{chunks}"] = digest(c)
-    return mismatch(c, ref, dtype) or half_sum_problem(c, [product(x, y) for x, y in zip(a, b_arg)], chunks, c.nbytes)
+    return mismatch(c, ref, dtype) or half_sum_problem(c, products(a, b_arg), chunks, c.nbytes)
 
 
 def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks: int, strided: bool = False) -> str:
@@ -138,7 +148,7 @@ def gemm_reducescatter_case(mb: int, k: int, n: int, dtype: torch.dtype, chunks:
     c = mk.gemm_reducescatter(a[rank], b_arg[rank], chunks=chunks)
     ref = sum(x.double() @ y.double() for x, y in zip(a, b))[rank * mb:(rank + 1) * mb]
     return mismatch(c, ref, dtype) or half_sum_problem(
-        c, [product(x, y)[rank * mb:(rank + 1) * mb] for x, y in zip(a, b_arg)], chunks, world * c.nbytes)
+        c, [p[rank * mb:(rank + 1) * mb] for p in products(a, b_arg)], chunks, world * c.nbytes)
 
 
 def run_ops(large: bool) -> None:
@@ -151,13 +161,18 @@ def run_ops(large: bool) -> None:
             check("gemm_allreduce", name, lambda: gemm_allreduce_case(m, k, n, dtype, chunks))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(m, k, n, dtype, chunks))
     # a k long enough that a half-type product made as it is and one made widened and rounded differ in some
-    # elements, in one GEMM below the small-GEMM limit (8 rows a rank, _C.small_half_gemm) and one above it
-    # (48): one chunk, so the half-type sums are checked bit for bit where that applies (half_sum_problem)
+    # elements, in one GEMM below every rank's small-GEMM limit (_C.small_half_limit; as many rows as fit, at
+    # least one a rank), one below the largest rank's limit (where ranks' limits differ, only some widen it)
+    # and one above it (48 a rank): one chunk, so the half-type sums are checked bit for bit where that
+    # applies (half_sum_problem), and allgather_gemm's digests show whether every rank made its blocks alike
     for dtype in (torch.bfloat16, torch.float16):
-        for mb in (8, 48):
+        fits = sorted({max(1, f([limits[dtype] for limits in small_limits]) // (world * 2048 * 64))
+                       for f in (min, max)})
+        for mb in fits + [48]:
             name = f"m={mb * world} k=2048 n=64 {dtype} chunks=1"
             check("gemm_allreduce", name, lambda: gemm_allreduce_case(mb * world, 2048, 64, dtype, 1))
             check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(mb, 2048, 64, dtype, 1))
+            check("allgather_gemm", name, lambda: allgather_gemm_case(mb, 2048, 64, dtype, 1, False))
     # every chunk count on one awkward shape (m not divisible by the chunk count), and the gathered A
     for chunks in CHUNKS + [50]:
         for dtype in DTYPES:
@@ -489,11 +504,20 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--widen-half-on", default="", help="comma-separated ranks that widen half types")
+    ap.add_argument("--small-half-gemm-on", default="",
+                    help="R:N,... sets SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R")
     args = ap.parse_args()
     if args.widen_half_on and int(os.environ["RANK"]) in {int(r) for r in args.widen_half_on.split(",")}:
         os.environ["SUPERKERNEL_OPS_WIDEN_HALF"] = "1"
+    for item in filter(None, args.small_half_gemm_on.split(",")):
+        on, limit = item.split(":")
+        if int(on) == int(os.environ["RANK"]):
+            os.environ["SUPERKERNEL_OPS_SMALL_HALF_GEMM"] = limit
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {t: _C.small_half_limit(str(t).split(".")[1]) for t in (torch.bfloat16, torch.float16)}
+    small_limits.extend([{}] * world)
+    dist.all_gather_object(small_limits, mine)
     mk_shm = args.backend == "mk" and os.environ.get("SUPERKERNEL_TRANSPORT") == "shm"
     if (args.backend == "gloo" or mk_shm) and not args.widen_half_on:
         exact_half_types.update(t for t in (torch.bfloat16, torch.float16)

@@ -1,8 +1,13 @@
 """superkernel.ops.autograd.product, the local products of the GEMM ops' backward formulas: a half type that
 oneDNN does not multiply on this CPU (ATen then runs a plain loop, about 10x slower), or a half-type GEMM too
 small for oneDNN's fixed cost per call (superkernel._C.small_half_gemm, as the forward ops decide), is
-multiplied in float32 and rounded once; every other product goes to ATen's matmul as it is."""
+multiplied in float32 and rounded once; every other product goes to ATen's matmul as it is. Also the limit
+that decides "too small": SUPERKERNEL_OPS_SMALL_HALF_GEMM, or measured on this CPU (_C.small_half_limit)."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,26 +18,95 @@ from superkernel.ops.autograd import product
 _ONEDNN = {torch.float32: lambda: True,
            torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
+_K = 1024
 
 
-@pytest.mark.parametrize("rows,n,small", [(96, 64, True), (192, 64, False), (8, 1024, False)],
-                         ids=["small", "large", "small-but-wide-b"])
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[1]
+
+
+def _rows_and_n(dtype: torch.dtype, case: str) -> tuple[int, int]:
+    """A [rows, 1024] x [1024, n] product on the side of this process's small-GEMM limit that `case` names:
+    the most rows within it, more rows than that (at least 96), or a b too wide to widen (2^20 elements) at one
+    row. (float32 has no limit: 96 and 192 rows.)"""
+    if case == "small-but-wide-b":
+        return 1, _K
+    if dtype == torch.float32:
+        return (96 if case == "small" else 192), 64
+    limit = _C.small_half_limit(_name(dtype))
+    within = limit // (_K * 64)
+    if case == "small":
+        if within < 1:
+            pytest.skip(f"this process's small-GEMM limit for {dtype} ({limit} multiply-adds) holds no "
+                        f"[1, {_K}] x [{_K}, 64] product")
+        return within, 64
+    return max(within + 1, 96), 64
+
+
+@pytest.mark.parametrize("case", ["small", "large", "small-but-wide-b"])
 @pytest.mark.parametrize("dtype", list(_ONEDNN), ids=str)
-def test_product_is_atens_matmul_or_the_widened_one_as_onednn_allows(dtype: torch.dtype, rows: int, n: int,
-                                                                     small: bool) -> None:
-    # (the cases sit on either side of the limit: multiply-adds, then the elements of the widened y)
-    assert _C.small_half_gemm(rows, 1024, n) == small
+def test_product_is_atens_matmul_or_the_widened_one_as_onednn_allows(dtype: torch.dtype, case: str) -> None:
+    rows, n = _rows_and_n(dtype, case)
+    small = case == "small"
+    if dtype != torch.float32:
+        assert _C.small_half_gemm(_name(dtype), rows, _K, n) == small
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(rows, 1024, generator=g).to(dtype)
-    y = torch.randn(n, 1024, generator=g).to(dtype).t()   # transposed strides, as the backward passes b.t()
+    x = torch.randn(rows, _K, generator=g).to(dtype)
+    y = torch.randn(n, _K, generator=g).to(dtype).t()   # transposed strides, as the backward passes b.t()
     got = product(x, y)
     assert got.dtype == dtype and got.shape == (rows, n)
     widened = (x.float() @ y.float()).to(dtype)
     native = x @ y
-    if dtype != torch.float32:
-        # the two forms round differently somewhere (else this test could not tell them apart)
+    if dtype != torch.float32 and rows * n >= 96 * 64:
+        # the two forms round differently somewhere (else this test could not tell them apart; a small product
+        # under a measured limit may have too few elements for that: test_limit_is_measured_or_set sees the
+        # form at 96 rows)
         assert not torch.equal(widened, native), "the shapes do not separate the two forms; pick others"
     assert torch.equal(got, native if dtype == torch.float32 or (_ONEDNN[dtype]() and not small) else widened)
     exact = x.double() @ y.double()
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}[dtype]
     assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < tol
+
+
+def _limits(env: dict[str, str]) -> subprocess.CompletedProcess:
+    # each type's limit, then the form the 96x1024x64 product took: W widened and rounded, N as it is
+    script = ("import torch\n"
+              "from superkernel import _C\n"
+              "from superkernel.ops.autograd import product\n"
+              "print(_C.small_half_limit('bfloat16'), _C.small_half_limit('float16'))\n"
+              "g = torch.Generator().manual_seed(7)\n"
+              "for t in (torch.bfloat16, torch.float16):\n"
+              "    x, y = torch.randn(96, 1024, generator=g).to(t), torch.randn(1024, 64, generator=g).to(t)\n"
+              "    w, n = (x.float() @ y.float()).to(t), x @ y\n"
+              "    assert not torch.equal(w, n)\n"
+              "    print('W' if torch.equal(product(x, y), w) else 'N' if torch.equal(product(x, y), n) else '?')\n")
+    return subprocess.run([sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_limit_is_measured_or_set(dtype: torch.dtype) -> None:
+    """Unset, the limit is measured on this CPU (a power of two in [2^17, 2^23], or 0 where widening never
+    paid); SUPERKERNEL_OPS_SMALL_HALF_GEMM sets it for both types; a type the ops widen anyway has 0. The
+    products follow the limit: with 2^23 a 96x1024x64 product is made widened, with 0 as it is."""
+    if not _ONEDNN[dtype]():
+        pytest.skip(f"oneDNN does not multiply {dtype} on this processor: the ops widen it anyway")
+    col = 0 if dtype == torch.bfloat16 else 1
+    measured = _limits({"SUPERKERNEL_OPS_SMALL_HALF_GEMM": "", "SUPERKERNEL_OPS_WIDEN_HALF": "0"})
+    assert measured.returncode == 0, measured.stderr
+    value = int(measured.stdout.split()[col])
+    assert value == 0 or (1 << 17 <= value <= 1 << 23 and value & (value - 1) == 0), value
+    for setting, form in (("0", "N"), ("8388608", "W"), ("12345", "N")):
+        out = _limits({"SUPERKERNEL_OPS_SMALL_HALF_GEMM": setting, "SUPERKERNEL_OPS_WIDEN_HALF": "0"})
+        assert out.returncode == 0, out.stderr
+        words = out.stdout.split()
+        assert int(words[col]) == int(setting) and words[2 + col] == form, out.stdout
+    widened = _limits({"SUPERKERNEL_OPS_SMALL_HALF_GEMM": "0", "SUPERKERNEL_OPS_WIDEN_HALF": "1"})
+    assert widened.returncode == 0, widened.stderr
+    assert widened.stdout.split() == ["0", "0", "W", "W"], widened.stdout
+
+
+def test_a_bad_limit_is_a_clear_error() -> None:
+    out = _limits({"SUPERKERNEL_OPS_SMALL_HALF_GEMM": "lots", "SUPERKERNEL_OPS_WIDEN_HALF": "0"})
+    assert out.returncode != 0
+    assert "SUPERKERNEL_OPS_SMALL_HALF_GEMM must be a non-negative integer, got 'lots'" in out.stderr, out.stderr

@@ -37,6 +37,10 @@ _widened = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_WIDEN_
 _mixed = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_WIDEN_HALF": "0"})
 
 
+# rank 0 makes every half-type GEMM it can widened (SUPERKERNEL_OPS_SMALL_HALF_GEMM at its cap), rank 1 none
+_limits = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_WIDEN_HALF": "0"})
+
+
 def args_for(world: int, transport: str) -> list[str]:
     args = ["--errors"]
     if world <= 2 and transport in ("auto", "shm"):
@@ -158,6 +162,26 @@ def test_ranks_that_multiply_half_types_differently(world: int, transport: str) 
     for rep in reps[1:]:
         differ = [k for k in keys if rep["digests"].get(k) != reps[0]["digests"][k]]
         assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
+
+
+@pytest.mark.skipif(not (torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                         or torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+                    reason="this processor widens bfloat16 and float16 anyway: no small-GEMM limit applies")
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "gloo")], ids=["2ranks-shm", "3ranks-gloo"])
+def test_ranks_with_different_small_gemm_limits(world: int, transport: str) -> None:
+    """Ranks that measured different small-GEMM limits (here set: rank 0 at 2^23, rank 1 at 0): each makes its
+    own partial products by its own limit, and the half-type sums are still exact against every rank's products
+    as that rank makes them; allgather_gemm multiplies every block by rank 0's limit on every rank, so its
+    results are the same bytes everywhere (the suite's k = 2048 cases make the two forms differ)."""
+    reps = _limits.reports(world, transport, ["--small-half-gemm-on", f"0:{1 << 23},1:0"])
+    for family in OPS:
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
+    assert_exact_half_sums(reps)
+    for rep in reps[1:]:
+        differ = [k for k, v in reps[0]["digests"].items() if rep["digests"].get(k) != v]
+        assert not differ, f"rank {rep['rank']} differs from rank 0 on {differ[:5]}"
+    assert any("/2048/" in k for k in reps[0]["digests"]), "no k = 2048 allgather_gemm digest"
 
 
 @pytest.mark.parametrize("world,transport", WORLDS, ids=IDS)

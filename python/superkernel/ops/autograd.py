@@ -60,20 +60,26 @@ def _widened_on_cpu() -> frozenset[torch.dtype]:
 _WIDENED_ON_CPU = _widened_on_cpu()
 
 
-def _small(x: torch.Tensor, y: torch.Tensor) -> bool:
+def _small(x: torch.Tensor, y: torch.Tensor, limit: int | None) -> bool:
     """Whether [m, k] x [k, n] is a GEMM the forward ops make widened and rounded although they multiply its
     half type as it is (small_half_gemm in csrc/kernels/pipeline.h: oneDNN's fixed cost per call outweighs the
-    arithmetic). Symbolic sizes (torch.compile with dynamic shapes) keep the half-type GEMM."""
+    arithmetic; `limit`: the most multiply-adds so made, None for this process's own, small_half_limit).
+    Symbolic sizes (torch.compile with dynamic shapes) keep the half-type GEMM."""
     sizes = (x.shape[0], x.shape[1], y.shape[1])
-    return all(type(v) is int for v in sizes) and _C.small_half_gemm(*sizes)
+    if not all(type(v) is int for v in sizes):
+        return False
+    if limit is None:
+        return _C.small_half_gemm(str(x.dtype).split(".")[1], *sizes)
+    return sizes[0] * sizes[1] * sizes[2] <= limit and sizes[1] * sizes[2] <= _C.small_half_gemm_operand
 
 
-def product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def product(x: torch.Tensor, y: torch.Tensor, small_limit: int | None = None) -> torch.Tensor:
     """x @ y (2-D) in x's dtype, in its fastest exact form: a half type ATen has no fast CPU kernel for, or a
     GEMM too small for its fast kernel's fixed cost, is multiplied in fp32 and rounded once (against float64,
-    the same largest error as ATen's fp16 loop at k=256 and k=4096)."""
+    the same largest error as ATen's fp16 loop at k=256 and k=4096). `small_limit` models another process's
+    small-GEMM limit (superkernel._C.small_half_limit there; the tests' models of other ranks' products)."""
     if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and (
-            x.dtype in _WIDENED_ON_CPU or _small(x, y)):
+            x.dtype in _WIDENED_ON_CPU or _small(x, y, small_limit)):
         return (x.float() @ y.float()).to(x.dtype)
     return x @ y
 
