@@ -355,7 +355,7 @@ bool native_half_gemm(at::ScalarType t, const c10::Device& device);
 // small_half_limit(t)) that oneDNN's fixed cost per call outweighs the arithmetic: the ops make it on operands
 // widened to fp32 and round the product to the half type, which is what the half-type GEMM computes (fp32
 // accumulation, one rounding), in the fp32 GEMM's order. Where that pays depends on the processor, so the
-// limit is measured once per process and type (calibrate_small_half in pipeline.cc), unless
+// limit is measured once per process and type (calibrate_small_half in half_gemm.cc), unless
 // SUPERKERNEL_OPS_SMALL_HALF_GEMM sets it. One thread, fp16 / bf16 as it is against widened (b too) and
 // rounded, ms: on an Intel VM (AVX512-BF16 and -FP16, no AMX) 128x64x64 0.030 against 0.013, 512x256x256
 // 0.432 against 0.563 (bf16 faster widened at every size); on an AMD EPYC VM (AVX512-BF16, no -FP16) bf16
