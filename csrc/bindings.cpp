@@ -515,6 +515,8 @@ PYBIND11_MODULE(_C, m) {
       "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
       "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h).");
   m.attr("small_half_gemm_operand") = int64_t(mk::kernels::kSmallHalfOperand);
+  m.def("small_half_setting", &mk::kernels::small_half_setting,
+        "SUPERKERNEL_OPS_SMALL_HALF_GEMM as read, -1 when unset; raises when it is no non-negative integer.");
 
   m.def(
       "tuner_pick",

@@ -500,15 +500,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   };
   // A half type made as it is: which GEMMs are small enough to make widened is measured per process
   // (small_half_limit) and may differ between ranks; every rank uses rank 0's limit, so that each block is
-  // multiplied alike everywhere. (A bad setting is an error of this rank's, reported on every rank.)
-  bool made_half = false;
-  int64_t small_limit = 0;
-  try {
-    made_half = Products::type(a_in, /*exact=*/false) != at::kFloat;
-    if (err.empty() && made_half && a_in.device().is_cpu()) small_limit = small_half_limit(a_in.scalar_type());
-  } catch (const c10::Error& e) {
-    if (err.empty()) err = e.what_without_backtrace();
-  }
+  // multiplied alike everywhere.
+  const bool made_half = Products::type(a_in, /*exact=*/false) != at::kFloat;
+  const int64_t small_limit = made_half && a_in.device().is_cpu() ? small_half_limit(a_in.scalar_type()) : 0;
   // A small shard travels inside the agreement (its bytes to every peer): up to 64 KiB per peer on mk; up to
   // 4 MiB on other backends (kCarryMaxGather), where those sends are what the allgather would send, and the
   // exchange then hides this rank's own rows' product (early_own) and saves a second exchange. Gloo between

@@ -70,7 +70,6 @@ bool native_half_gemm(at::ScalarType t, const c10::Device& device) {
   return t == at::kBFloat16 ? bf16 : fp16;
 }
 
-
 namespace {
 
 // The median seconds of `reps` calls of each of f and g, called in turn (so that the machine's drift reaches
@@ -141,8 +140,7 @@ int64_t calibrate_small_half(at::ScalarType t) {
 
 }  // namespace
 
-int64_t small_half_limit(at::ScalarType t) {
-  if ((t != at::kBFloat16 && t != at::kHalf) || !native_half_gemm(t, c10::Device("cpu"))) return 0;
+int64_t small_half_setting() {
   static const std::pair<int64_t, std::string> from_env = [] {
     std::string problem;
     const int64_t v = env_integer("SUPERKERNEL_OPS_SMALL_HALF_GEMM", -1, 0, problem);
@@ -150,7 +148,12 @@ int64_t small_half_limit(at::ScalarType t) {
   }();
   TORCH_CHECK(from_env.second.empty(), from_env.second, " (the most multiply-adds of a half-type GEMM the ops make ",
               "widened to fp32; unset: measured on this CPU)");
-  if (from_env.first >= 0) return from_env.first;
+  return from_env.first;
+}
+
+int64_t small_half_limit(at::ScalarType t) {
+  if ((t != at::kBFloat16 && t != at::kHalf) || !native_half_gemm(t, c10::Device("cpu"))) return 0;
+  if (small_half_setting() >= 0) return small_half_setting();
   static const int64_t bf16 = calibrate_small_half(at::kBFloat16);
   if (t == at::kBFloat16) return bf16;
   static const int64_t fp16 = calibrate_small_half(at::kHalf);

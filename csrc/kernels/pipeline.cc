@@ -126,8 +126,12 @@ void record_link_sample(const std::pair<std::string, const void*>& key, double b
   s.bw = s.bw == 0 ? bw : 0.7 * s.bw + 0.3 * bw;
 }
 
-// Compute rate of ATen's mm on this process for a dtype, measured once (a few ms at most).
+// Compute rate of ATen's mm on this process for a dtype, measured once (a few ms at most). A half type the ops
+// widen (native_half_gemm) is multiplied in fp32, so fp32's rate is its rate: timing ATen's fp16 loop instead
+// (AMD EPYC VM without AVX512-FP16: ~5.4 ms for this 128x256x256 product, 0.18 widened) cost ~16 ms at the
+// first call and gave a rate ~30x too low.
 double gemm_flops_per_second(at::ScalarType t, const c10::Device& device) {
+  if ((t == at::kHalf || t == at::kBFloat16) && device.is_cpu() && !native_half_gemm(t, device)) t = at::kFloat;
   static std::mutex mu;
   static std::map<std::pair<int, int>, double> cache;
   const auto key = std::make_pair(int(t), int(device.type()));

@@ -371,6 +371,9 @@ constexpr double kSmallHalfOperand = double(int64_t(1) << 18);
 // question does not arise). Ranks may differ in it, as they may in native_half_gemm; an op whose ranks must
 // all make one product alike (allgather_gemm) agrees on rank 0's.
 int64_t small_half_limit(at::ScalarType t);
+// SUPERKERNEL_OPS_SMALL_HALF_GEMM as read (once), -1 when unset; raises naming it when it is no non-negative
+// integer (superkernel checks it at import, so a bad value fails every rank before any op).
+int64_t small_half_setting();
 inline bool small_half_gemm(int64_t rows, int64_t k, int64_t n, int64_t limit) {
   return double(rows) * double(k) * double(n) <= double(limit) && double(k) * double(n) <= kSmallHalfOperand;
 }

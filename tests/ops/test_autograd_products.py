@@ -106,7 +106,13 @@ def test_limit_is_measured_or_set(dtype: torch.dtype) -> None:
     assert widened.stdout.split() == ["0", "0", "W", "W"], widened.stdout
 
 
-def test_a_bad_limit_is_a_clear_error() -> None:
-    out = _limits({"SUPERKERNEL_OPS_SMALL_HALF_GEMM": "lots", "SUPERKERNEL_OPS_WIDEN_HALF": "0"})
+@pytest.mark.parametrize("value", ["lots", "-1", "2^20"])
+def test_a_bad_limit_fails_the_import(value: str) -> None:
+    """A value that is no non-negative integer fails `import superkernel` with the variable named, before any
+    op runs (a rank that found it alone, inside an op, would leave the others waiting in an agreement)."""
+    out = subprocess.run([sys.executable, "-c", "import superkernel"],
+                         env={**os.environ, "SUPERKERNEL_OPS_SMALL_HALF_GEMM": value}, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode != 0
-    assert "SUPERKERNEL_OPS_SMALL_HALF_GEMM must be a non-negative integer, got 'lots'" in out.stderr, out.stderr
+    assert f"SUPERKERNEL_OPS_SMALL_HALF_GEMM must be a non-negative integer, got '{value}'" in out.stderr, \
+        out.stderr[-2000:]

@@ -58,6 +58,7 @@ def _widened_on_cpu() -> frozenset[torch.dtype]:
 
 
 _WIDENED_ON_CPU = _widened_on_cpu()
+_C.small_half_setting()  # (a bad SUPERKERNEL_OPS_SMALL_HALF_GEMM fails the import, on every rank)
 
 
 def _small(x: torch.Tensor, y: torch.Tensor, limit: int | None) -> bool:
