@@ -508,13 +508,14 @@ PYBIND11_MODULE(_C, m) {
       "the first call (kernels/pipeline.h); 0 where the type is widened anyway.");
   m.def(
       "small_half_gemm",
-      [half_type](const std::string& dtype, int64_t rows, int64_t k, int64_t n) {
-        return mk::kernels::small_half_gemm(half_type(dtype, "small_half_gemm"), rows, k, n);
+      [half_type](const std::string& dtype, int64_t rows, int64_t k, int64_t n, int64_t limit) {
+        const at::ScalarType t = half_type(dtype, "small_half_gemm");
+        return mk::kernels::small_half_gemm(rows, k, n, limit >= 0 ? limit : mk::kernels::small_half_limit(t));
       },
-      py::arg("dtype"), py::arg("rows"), py::arg("k"), py::arg("n"),
+      py::arg("dtype"), py::arg("rows"), py::arg("k"), py::arg("n"), py::arg("limit") = -1,
       "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
-      "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h).");
-  m.attr("small_half_gemm_operand") = int64_t(mk::kernels::kSmallHalfOperand);
+      "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h), "
+      "with this process's small_half_limit or `limit` (another process's, as a model of its products).");
   m.def("small_half_setting", &mk::kernels::small_half_setting,
         "SUPERKERNEL_OPS_SMALL_HALF_GEMM as read, -1 when unset; raises when it is no non-negative integer.");
 

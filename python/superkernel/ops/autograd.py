@@ -67,11 +67,8 @@ def _small(x: torch.Tensor, y: torch.Tensor, limit: int | None) -> bool:
     arithmetic; `limit`: the most multiply-adds so made, None for this process's own, small_half_limit).
     Symbolic sizes (torch.compile with dynamic shapes) keep the half-type GEMM."""
     sizes = (x.shape[0], x.shape[1], y.shape[1])
-    if not all(type(v) is int for v in sizes):
-        return False
-    if limit is None:
-        return _C.small_half_gemm(str(x.dtype).split(".")[1], *sizes)
-    return sizes[0] * sizes[1] * sizes[2] <= limit and sizes[1] * sizes[2] <= _C.small_half_gemm_operand
+    return all(type(v) is int for v in sizes) and _C.small_half_gemm(
+        str(x.dtype).split(".")[1], *sizes, -1 if limit is None else limit)
 
 
 def product(x: torch.Tensor, y: torch.Tensor, small_limit: int | None = None) -> torch.Tensor:
