@@ -102,7 +102,7 @@ std::pair<double, double> median_seconds(F&& f, G&& g, int warm, int reps) {
 // (kSmallHalfGemm), the two forms in turn, 15 calls each. Each form is a line, fixed cost plus a cost per
 // multiply-add, through its two medians; the limit is where the lines cross, rounded down to a power of two
 // (ranks on one host then mostly agree): 0 when widening is not faster even at the small size,
-// kSmallHalfGemm when it is faster at both. 10-25 ms at a process's first half-type GEMM op (AMD EPYC VM).
+// kSmallHalfGemm when it is faster at both. 7-25 ms at a process's first half-type GEMM op (AMD EPYC VM).
 // SUPERKERNEL_OPS_TRACE prints the medians and the limit.
 int64_t calibrate_small_half(at::ScalarType t) {
   struct Size {
