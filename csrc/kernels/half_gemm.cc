@@ -152,7 +152,7 @@ int64_t small_half_setting() {
 }
 
 int64_t small_half_limit(at::ScalarType t) {
-  if ((t != at::kBFloat16 && t != at::kHalf) || !native_half_gemm(t, c10::Device("cpu"))) return 0;
+  if ((t != at::kBFloat16 && t != at::kHalf) || !native_half_gemm(t, c10::Device(c10::kCPU))) return 0;
   if (small_half_setting() >= 0) return small_half_setting();
   static const int64_t bf16 = calibrate_small_half(at::kBFloat16);
   if (t == at::kBFloat16) return bf16;

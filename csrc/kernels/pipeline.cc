@@ -156,15 +156,29 @@ double gemm_flops_per_second(at::ScalarType t, const c10::Device& device) {
   return rate;
 }
 
+// A new tensor over `t`'s storage with this geometry, made without the dispatcher (a view through it costs
+// about a microsecond or more per call: narrow and view of a scratch buffer took ~6 us per call inside
+// allgather_gemm on the AMD VM, as long as an shm allgather of 4 KiB). No autograd history, no base.
+at::Tensor alias_of(const at::Tensor& t, int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  auto alias = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  alias.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return alias;
+}
+
 // What a collective hands to another thread (a backend's worker, the lane): a tensor of its own over the same
 // memory. That thread may drop its references after the op has returned; dropping a view releases its base,
 // which by then can be the op's output owned by a Python object, and that release needs the GIL (a Gloo
 // worker blocked on it stalls; at interpreter exit it calls std::terminate). A fresh alias has no base and no
 // Python object.
+// (made directly, not through the dispatcher: at::empty and set_ there, and the flat view before them, took
+// several microseconds per collective; see scratch)
 at::Tensor handoff(const at::Tensor& t) {
-  at::Tensor alias = at::empty({0}, t.options());
-  alias.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
-  return alias;
+  return alias_of(t, t.storage_offset(), t.sizes(), t.strides());
+}
+// ... as a flat tensor (t contiguous)
+at::Tensor handoff_flat(const at::Tensor& t) {
+  const int64_t n = t.numel();
+  return alias_of(t, t.storage_offset(), {n}, {1});
 }
 
 }  // namespace
@@ -670,7 +684,7 @@ Pending Pipeline::allreduce(const at::Tensor& t) {
 Pending Pipeline::reduce_scatter(const at::Tensor& in, const at::Tensor& out) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": reduce_scatter buffers must be contiguous");
   auto backend = g_.backend;
-  auto issue = [backend, in = handoff(in.view({-1})), out = handoff(out.view({-1}))] {
+  auto issue = [backend, in = handoff_flat(in), out = handoff_flat(out)] {
     at::Tensor i = in, o = out;  // flat: Gloo compares shapes dimension by dimension
     return backend->_reduce_scatter_base(o, i, c10d::ReduceScatterOptions());
   };
@@ -740,7 +754,7 @@ void Pipeline::run_in_place(const char* what, size_t rows_per_chunk, std::functi
 Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "mk ", op_, ": allgather buffers must be contiguous");
   auto backend = g_.backend;
-  auto issue = [backend, in = handoff(in.view({-1})), out = handoff(out.view({-1}))] {
+  auto issue = [backend, in = handoff_flat(in), out = handoff_flat(out)] {
     at::Tensor i = in, o = out;
     return backend->_allgather_base(o, i, c10d::AllgatherOptions());
   };
@@ -822,7 +836,7 @@ at::Tensor scratch(int64_t rows, int64_t cols, const at::TensorOptions& opts) {
   thread_local std::map<at::ScalarType, at::Tensor> kept;
   at::Tensor& buf = kept[opts.dtype().toScalarType()];
   if (!buf.defined() || size_t(buf.numel()) < size_t(rows * cols)) buf = at::empty({rows * cols}, opts);
-  return buf.narrow(0, 0, rows * cols).view({rows, cols});
+  return alias_of(buf, 0, {rows, cols}, {cols, 1});
 }
 
 at::ScalarType accumulate_type(at::ScalarType t) {
