@@ -449,12 +449,18 @@ size_t in_place_rows(Pipeline& p, int64_t rows, size_t row_bytes, size_t slot_pi
 // host (2026-11-25, in place at every size): gemm_reducescatter 1024x128x1024 (G = 8) 1.11x of unfused, but
 // 1024^3 (G = 8) 0.92x and 2048x512x2048 (G = 32) 0.86x; gemm_allreduce 2048x512x2048 (G = 16) 0.94x.
 // A GEMM oneDNN makes in a half type (`half_products`, agreed: every rank's) also costs a fixed ~0.02 ms per
-// call (this VM, AVX512-BF16/FP16: 8 rows of a 64x64 bf16 b take 0.023 ms, fp32 0.002 ms), counted as
-// kHalfGemmCall elements of copy: allgather_gemm's two 64-row GEMMs of 64^3 in place were 0.66-0.71x of
-// unfused, one GEMM after a copy 0.92-0.94x (2 ranks, bf16 and fp16, 2026-11-27). Since then a GEMM that
-// small_half_gemm widens no longer pays that cost, but the term still applies to every half-type op (the
-// tests model the rule as it is): it only leans small half-type ops toward one GEMM after a copy; not re-tuned.
-constexpr double kHalfGemmCall = 131072;
+// call, counted as kHalfGemmCall elements of copy. Intel VM (AVX512-BF16/FP16, 2026-11-27): 8 rows of a 64x64
+// bf16 b took 0.023 ms, fp32 0.002 ms; allgather_gemm's two 64-row GEMMs of 64^3 in place were 0.66-0.71x of
+// unfused, one GEMM after a copy 0.92-0.94x; 131072 then. AMD EPYC VM (AVX512-BF16, 2026-11-28): a second bf16
+// GEMM over the same b costs 0.020-0.026 ms more than one over all rows (fp32 0.006-0.016). allgather_gemm
+// on 2 ranks in place against one GEMM after the copy (medians of 300-400 interleaved calls; copy / in
+// place): 192x256x256 0.93, 256^3 0.93-0.97, 384x256x256 0.96, 512x128x128 0.94, 512x256x256 0.97,
+// 768x128x128 1.00, 1024x128x128 0.99, 1.01 and 1.16 (three runs), 1024x256x256 1.00, 256x512x512 1.01, 512^3
+// 1.03-1.08 (bench/README.md); 2^19 picks the faster form in each but the one 1024x128x128 run. A larger
+// term only leans toward one GEMM after a copy, which costs at most that copy.
+// A GEMM that small_half_gemm widens does not pay that cost, but the term applies to every half-type op (the
+// tests model the rule as it is).
+constexpr double kHalfGemmCall = 524288;
 bool in_place_pays(int64_t rows, size_t per_chunk, int64_t gemms_per_chunk, int64_t chunks, int64_t k, int64_t n,
                    double saved, bool half_products) {
   if (per_chunk == 0) return false;

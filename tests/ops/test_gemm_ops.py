@@ -419,7 +419,7 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
                     chunks: int, half_products: bool) -> int:
     """Rows per chunk the in-place shm path should use for a call (0: not in place), as
     csrc/kernels/gemm_collectives.cc decides: a row must fit in a slot, and the GEMMs it splits the product into
-    must pay for themselves ((G - 1) (k n + H) <= 2 x the elements of staging copy saved, H = 131072 for a
+    must pay for themselves ((G - 1) (k n + H) <= 2 x the elements of staging copy saved, H = 524288 for a
     GEMM oneDNN makes in a half type on every rank, else 0) unless chunks were asked for. k and n are the
     largest any rank passed. gemm_allreduce and gemm_reducescatter stage fp32 terms, or half-type products as
     made when every rank makes them so; an fp32 row must fit either way."""
@@ -442,7 +442,7 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
     if op == "gemm_reducescatter" and per == rows:
         gemms = 1   # a chunk of every row of every block is the whole product: one GEMM into the slot
     g = -(-rows // per) * gemms
-    call_cost = 131072 if half_products else 0
+    call_cost = 524288 if half_products else 0
     return per if (g - 1) * (kmax * nmax + call_cost) <= 2 * saved else 0
 
 
