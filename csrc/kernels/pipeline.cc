@@ -156,9 +156,9 @@ double gemm_flops_per_second(at::ScalarType t, const c10::Device& device) {
   return rate;
 }
 
-// A new tensor over `t`'s storage with this geometry, made without the dispatcher (a view through it costs
-// about a microsecond or more per call: narrow and view of a scratch buffer took ~6 us per call inside
-// allgather_gemm on the AMD VM, as long as an shm allgather of 4 KiB). No autograd history, no base.
+// A new tensor over `t`'s storage with this geometry, made without the dispatcher (each op through it costs a
+// microsecond or more: narrow and view of a scratch buffer took 6.3-6.9 us per call inside allgather_gemm on
+// the AMD VM, 0.5 us made this way). No autograd history, no base.
 at::Tensor alias_of(const at::Tensor& t, int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
   auto alias = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
   alias.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
