@@ -516,6 +516,7 @@ PYBIND11_MODULE(_C, m) {
       "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
       "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h), "
       "with this process's small_half_limit or `limit` (another process's, as a model of its products).");
+  m.attr("HALF_GEMM_CALL") = int64_t(mk::kernels::kHalfGemmCall);  // (the tests' model of the in-place rule)
   m.def("small_half_setting", &mk::kernels::small_half_setting,
         "SUPERKERNEL_OPS_SMALL_HALF_GEMM as read, -1 when unset; raises when it is no non-negative integer.");
 
@@ -547,11 +548,13 @@ PYBIND11_MODULE(_C, m) {
         using mk::kernels::Tuner;
         return py::dict(py::arg("trials") = Tuner::kTrials, py::arg("final_trials") = Tuner::kFinalTrials,
                         py::arg("drop_ratio") = Tuner::kDropRatio,
-                        py::arg("most_calls") = Tuner::most_calls(candidates));
+                        py::arg("most_calls") = Tuner::most_calls(candidates),
+                        py::arg("plain_path") = mk::kernels::kPlainPath);
       },
       py::arg("candidates") = 4,
-      "The automatic chunk tuner's constants, and the most calls tuning that many candidates takes (up to 4 "
-      "in Pipeline::chunks).");
+      "The automatic chunk tuner's constants, and the most calls tuning that many candidates takes (up to 5 "
+      "in Pipeline::chunks: 4 chunk counts and an op's plain path), and the candidate that stands for the plain "
+      "path.");
 
   m.def(
       "copy_bytes",

@@ -2,7 +2,7 @@
 //   mk::allgather_gemm(a, b, group_name, return_gathered=False, chunks=0) -> (c, gathered)
 //       c = cat_r(a_r) @ b, [R*m, n]. On mk across hosts a ring over the transport: each step forwards the
 //       shard part just received to the next rank while multiplying it (no staging copies: parts land in
-//       `gathered`). On mk on one host: every rank stages its shard in its shared-memory slots once, and each
+//       `gathered`), or, when the chunk tuner times it faster, one allgather and one GEMM. On mk on one host: every rank stages its shard in its shared-memory slots once, and each
 //       rank multiplies every shard straight from the slots, chunk by chunk as they are staged (no copy out).
 //       On other backends: one allgather then one GEMM with one chunk, else the allgather of row part i+1
 //       while part i is multiplied.
@@ -230,9 +230,12 @@ bool mk_sums_half(const Group& g, at::ScalarType acc_t, at::ScalarType made_t) {
 // 4-row blocks made gemm_allreduce 0.65x and allgather_gemm 0.68x of unfused, bench/README.md). Below it the
 // op runs one GEMM and mk's collective, as unfused does. SUPERKERNEL_OPS_RING_MIN_ROWS sets it (every rank
 // alike: the choice is part of the argument agreement); tests set 1 to run the rings on small shapes. Read at
-// every call that may ring (as SUPERKERNEL_OPS_IN_PLACE).
+// every call that may ring (as SUPERKERNEL_OPS_IN_PLACE). Above it, allgather_gemm with an automatic chunk
+// count also times its plain path (one allgather, then one GEMM) as a tuner candidate, unless the variable is
+// set (then it always rings).
 struct RingRows {
   bool may_ring = false;  // mk with a peer across hosts, R > 1
+  bool set = false;       // SUPERKERNEL_OPS_RING_MIN_ROWS is set (not empty)
   int64_t least = 0;      // the threshold (0: not read, or invalid)
   std::string problem;    // the argument error when the variable is invalid (reported through the agreement,
                           // so every rank raises instead of this one alone leaving the others waiting)
@@ -244,7 +247,11 @@ struct RingRows {
 RingRows ring_rows(const Group& g, const Pipeline& p) {
   RingRows rr;
   rr.may_ring = g.size > 1 && g.is_mk() && p.over_tcp();
-  if (rr.may_ring) rr.least = env_integer("SUPERKERNEL_OPS_RING_MIN_ROWS", 64, 1, rr.problem);
+  if (rr.may_ring) {
+    rr.least = env_integer("SUPERKERNEL_OPS_RING_MIN_ROWS", 64, 1, rr.problem);
+    const char* v = std::getenv("SUPERKERNEL_OPS_RING_MIN_ROWS");
+    rr.set = v && *v;
+  }
   return rr;
 }
 
@@ -297,7 +304,8 @@ class GemmAgreement {
     const int64_t C = all_[0].back();
     // (a carried call has no chunks: its time says nothing about the chunk count the tuner proposed)
     p_.use_chunks(carried() ? 0 : C);
-    p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", C, " (proposed ", proposal_,
+    auto name = [](int64_t c) { return c == kPlainPath ? std::string("plain") : std::to_string(c); };
+    p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", name(C), " (proposed ", name(proposal_),
              requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
              agreement_->on_board() ? " agreement=board" : "", carried() ? " carried" : "");
     return C;
@@ -459,8 +467,7 @@ size_t in_place_rows(Pipeline& p, int64_t rows, size_t row_bytes, size_t slot_pi
 // 1.03-1.08 (bench/README.md); 2^19 picks the faster form in each but the one 1024x128x128 run. A larger
 // term only leans toward one GEMM after a copy, which costs at most that copy.
 // A GEMM that small_half_gemm widens does not pay that cost, but the term applies to every half-type op (the
-// tests model the rule as it is).
-constexpr double kHalfGemmCall = 524288;
+// tests model the rule as it is, with kHalfGemmCall from superkernel._C).
 bool in_place_pays(int64_t rows, size_t per_chunk, int64_t gemms_per_chunk, int64_t chunks, int64_t k, int64_t n,
                    double saved, bool half_products) {
   if (per_chunk == 0) return false;
@@ -489,10 +496,15 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.comm_bytes = double(R - 1) * double(std::max<int64_t>(m, 0)) * double(std::max<int64_t>(k, 0)) * a_in.element_size();
   model.flops = 2.0 * R * double(std::max<int64_t>(m, 0)) * std::max<int64_t>(k, 0) * std::max<int64_t>(n, 0);
   model.max_chunks = std::max<int64_t>(1, m);
-  // mk across hosts: a ring over the transport, when a shard has rows enough for a GEMM of its own
+  // mk across hosts: a ring over the transport, when a shard has rows enough for a GEMM of its own. With an
+  // automatic chunk count the tuner also times the plain path (kPlainPath: one allgather, then one GEMM, as
+  // unfused): where the link's transfer is short next to the product, the ring's overlap costs the shared
+  // cores more than it hides (2 namespace hosts at 1 Gbit/s, bf16 1024x128x1024: the ring 0.82-0.95x of
+  // unfused over five runs, without it 1.00-1.01x; bench/README.md).
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
-  const bool ring = err.empty() && rr.pays(m);
+  const bool may_ring = err.empty() && rr.pays(m);
+  model.plain_too = may_ring && !rr.set;
   const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, kCarryMaxGather);
   if (err.empty()) err = cl.problem;
   // (b is only multiplied, never sent: a strided b, such as the transposed view a backward passes, is used
@@ -525,13 +537,15 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   }
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
-                   {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(ring), true},
+                   {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(may_ring), true},
                     {"half_products", int64_t(made_half), false}, {"small_half_limit", small_limit, false}},
                    std::move(carried));
   // Other backends on CPU (Gloo): the agreement is an exchange of its own (384 B each way took 0.18-0.32 ms
   // on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
   // travels. Not on mk, where the agreement costs microseconds and splitting the GEMM in two measured slower
-  // than the exchange it would hide (one host, 256^3 on 2 ranks: 0.92-0.94x of unfused against 0.97-1.03x).
+  // than the exchange it would hide (one host, 256^3 on 2 ranks: 0.92-0.94x of unfused against 0.97-1.03x;
+  // across hosts too: 2 namespace hosts at 1 Gbit/s, bf16 1024x128x1024 on the plain path, medians of the
+  // slowest rank over 150 interleaved calls, 6.87 ms with this rank's rows early against 4.51 without).
   // Only when one chunk is planned or the shard is offered (carried, every block is multiplied whole): every
   // rank then multiplies each rank's block with one GEMM of m rows, so the output is bitwise the same on
   // every rank (with more chunks each block is multiplied chunk by chunk everywhere, and an early product of
@@ -555,7 +569,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     at::Tensor own = c.narrow(0, r * m, m);
     prod->into(own, src);
   }
-  const int64_t C = ga.chunks();
+  const int64_t agreed = ga.chunks();
+  const bool ring = may_ring && agreed != kPlainPath;
+  const int64_t C = agreed == kPlainPath ? 1 : agreed;
   prepare();
   // Ranks that make half-type products differently (hosts whose processors differ, see native_half_gemm) all
   // widen, so that every rank multiplies each block alike and the output is the same bytes everywhere.

@@ -170,8 +170,8 @@ at::Tensor alias_of(const at::Tensor& t, int64_t offset, c10::IntArrayRef sizes,
 // which by then can be the op's output owned by a Python object, and that release needs the GIL (a Gloo
 // worker blocked on it stalls; at interpreter exit it calls std::terminate). A fresh alias has no base and no
 // Python object.
-// (made directly, not through the dispatcher: at::empty and set_ there, and the flat view before them, took
-// several microseconds per collective; see scratch)
+// (made directly, not through the dispatcher, where at::empty and set_, and the flat view before them, are the
+// steps that cost scratch 6.3-6.9 us a call; handoff's own share was not timed apart)
 at::Tensor handoff(const at::Tensor& t) {
   return alias_of(t, t.storage_offset(), t.sizes(), t.strides());
 }
@@ -423,11 +423,12 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   // uses).
   std::lock_guard<std::mutex> lock(states_mu());
   auto& tuners = state_of(g_).tuners;
-  Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi)];
+  Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi, model.plain_too ? "/plain" : "")];
   if (t.candidates.empty()) {
     std::vector<int64_t> cands;
     for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
       if (std::find(cands.begin(), cands.end(), v) == cands.end()) cands.push_back(v);
+    if (model.plain_too) cands.push_back(kPlainPath);
     t.start(std::move(cands));
   }
   tuner_ = &t;
@@ -465,7 +466,7 @@ size_t Tuner::wanted(size_t i) const {
 
 int64_t Tuner::next() const {
   if (candidates.empty()) return 1;
-  if (choice_ > 0) return choice_;
+  if (choice_ != 0) return choice_;
   size_t pick = candidates.size();
   for (size_t i = 0; i < candidates.size(); ++i)
     if (wanted(i) > 0 && (pick == candidates.size() || calls[i] < calls[pick])) pick = i;
@@ -491,13 +492,18 @@ void Tuner::record(int64_t chunks, double secs) {
   if (dropped_.empty()) return;
   for (size_t c = 0; c < candidates.size(); ++c)
     if (wanted(c) > 0) return;
-  // tuned: the lowest median of the candidates kept (ties: the fewer chunks)
+  // tuned: the lowest median of the candidates kept (ties: the fewer chunks; the plain path as one chunk,
+  // before the overlapped one)
+  auto fewer = [](int64_t x, int64_t y) {
+    const double fx = x == kPlainPath ? 0.5 : double(x), fy = y == kPlainPath ? 0.5 : double(y);
+    return fx < fy;
+  };
   size_t best = candidates.size();
   double best_median = std::numeric_limits<double>::infinity();
   for (size_t c = 0; c < candidates.size(); ++c) {
     if (dropped_[c]) continue;
     const double m = median_of(seconds[c]);
-    if (best == candidates.size() || m < best_median || (m == best_median && candidates[c] < candidates[best])) {
+    if (best == candidates.size() || m < best_median || (m == best_median && fewer(candidates[c], candidates[best]))) {
       best = c;
       best_median = m;
     }
@@ -522,14 +528,15 @@ bool Pipeline::over_tcp() const {
 void Pipeline::use_chunks(int64_t agreed) { chunks_used_ = agreed; }
 
 void Pipeline::record_timing() {
-  if (!tuner_ || chunks_used_ <= 0 || std::uncaught_exceptions() > 0) return;
+  if (!tuner_ || chunks_used_ == 0 || std::uncaught_exceptions() > 0) return;
   const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
   std::lock_guard<std::mutex> lock(states_mu());
   const bool tuning = !tuner_->done();
   tuner_->record(chunks_used_, secs);
   if (!tuning || !tracing()) return;
-  std::string line = c10::str("tuner: chunks=", chunks_used_, " took ", secs * 1e3, " ms");
-  if (tuner_->done()) line += c10::str("; tuned, using chunks=", tuner_->next());
+  auto name = [](int64_t c) { return c == kPlainPath ? std::string("plain") : std::to_string(c); };
+  std::string line = c10::str("tuner: chunks=", name(chunks_used_), " took ", secs * 1e3, " ms");
+  if (tuner_->done()) line += c10::str("; tuned, using chunks=", name(tuner_->next()));
   emit_trace(line);
 }
 

@@ -91,9 +91,10 @@ struct Tuner {
   std::vector<size_t> calls;                 // calls per candidate (its first, untimed, included)
   std::vector<std::vector<double>> seconds;  // the timed calls per candidate
   void start(std::vector<int64_t> cands);
-  bool done() const { return choice_ > 0; }
+  bool done() const { return choice_ != 0; }
   // The candidate to use next: while tuning, the one still to be timed with the fewest calls (the first on
-  // ties, so in turn), then the one with the lowest median.
+  // ties, so in turn), then the one with the lowest median (equal medians: the fewer chunks, kPlainPath
+  // counting as one and going before the overlapped path's one chunk).
   int64_t next() const;
   void record(int64_t chunks, double secs);
   // The most calls tuning `n` candidates takes.
@@ -104,8 +105,12 @@ struct Tuner {
   size_t wanted(size_t i) const;  // timed calls candidate i still needs
   // Decided once, in record(), so that calls after tuning (next() on every op call) do no work:
   std::vector<bool> dropped_;  // per candidate, once the first round is done (empty before)
-  int64_t choice_ = 0;         // the candidate kept, once tuning is done (0 before)
+  int64_t choice_ = 0;         // the candidate kept, once tuning is done (0 before; kPlainPath is -1)
 };
+
+// A proposal of Pipeline::chunks for a model with `plain_too`: the op's plain path (one collective, then one
+// computation, as its unfused composition runs) instead of its overlapped one.
+constexpr int64_t kPlainPath = -1;
 
 // Cost model inputs for the automatic chunk count.
 struct ChunkModel {
@@ -113,6 +118,9 @@ struct ChunkModel {
   double flops = 0;        // this rank's compute, in floating point operations
   int64_t max_chunks = 1;  // upper bound (e.g. rows available to split)
   at::ScalarType dtype = at::kFloat;
+  // The op can also run its plain path: the tuner then times it as one more candidate, kPlainPath, beside the
+  // chunk counts (allgather_gemm's ring across hosts, which loses where the link leaves little to hide).
+  bool plain_too = false;
 };
 
 class Pipeline {
@@ -148,10 +156,12 @@ class Pipeline {
   // one from the model, the measured compute rate and the group's link estimate (measured on this group's
   // earlier pipelined collectives, else by transport kind: shm, tcp, accelerator). Local (no communication):
   // ranks may propose different counts, so pass it to agree() as a field with must_match = false and use
-  // rank 0's value (all[0][i]) — that makes the count the same on every rank.
+  // rank 0's value (all[0][i]) — that makes the count the same on every rank. With model.plain_too an
+  // automatic proposal may be kPlainPath (the op's plain path; see ChunkModel).
   int64_t chunks(int64_t requested, const ChunkModel& model);
-  // Tell the pipeline the chunk count every rank agreed on (rank 0's proposal): with an automatic proposal,
-  // the call's duration (recorded when the Pipeline is destroyed without an exception) tunes later proposals.
+  // Tell the pipeline the chunk count every rank agreed on (rank 0's proposal, kPlainPath included; 0: none):
+  // with an automatic proposal, the call's duration (recorded when the Pipeline is destroyed without an
+  // exception) tunes later proposals.
   void use_chunks(int64_t agreed);
 
   // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.
@@ -364,6 +374,9 @@ bool native_half_gemm(at::ScalarType t, const c10::Device& device);
 // widened only up to kSmallHalfOperand elements (8x1024x1024: 0.269 as it is against 0.460 widened; 16x512x1024:
 // 0.179 against 0.271), and no limit exceeds kSmallHalfGemm.
 constexpr double kSmallHalfGemm = double(int64_t(1) << 23);
+// The fixed cost of one more GEMM oneDNN makes in a half type, in elements of staging copy (2^19): the in-place
+// rule's per-GEMM term (in_place_pays in gemm_collectives.cc, where it was measured).
+constexpr double kHalfGemmCall = double(int64_t(1) << 19);
 constexpr double kSmallHalfOperand = double(int64_t(1) << 18);
 // The limit for `t` (bf16, fp16) in multiply-adds: SUPERKERNEL_OPS_SMALL_HALF_GEMM (an integer, both types;
 // 0: never widen) or, without it, this CPU's crossover measured at the first call (a power of two in

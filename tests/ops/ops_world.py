@@ -44,7 +44,7 @@ def failures_of(reports: list[dict], family: str) -> list[str]:
 
 
 _RING_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call \d+\] m=(\d+) "
-                         r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=\d+ \(proposed \d+, (automatic|requested \d+)\).* "
+                         r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=(\d+|plain) \(proposed (?:\d+|plain), (automatic|requested \d+)\).* "
                          r"ring=(\d)(?: half_products=(\d))?(?: small_half_limit=\d+)?( agreement=board)?( carried)?$", re.MULTILINE)
 
 # Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_rows; the
@@ -52,6 +52,7 @@ _RING_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatte
 # otherwise take most of those calls.
 RING_ON_SMALL_SHAPES = {"SUPERKERNEL_OPS_RING_MIN_ROWS": "1", "SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ": "1",
                         "SUPERKERNEL_OPS_CARRY_BYTES": "0"}
+DEFAULT_RING_ROWS = 64  # SUPERKERNEL_OPS_RING_MIN_ROWS' default
 CARRY_BYTES = 64 << 10  # SUPERKERNEL_OPS_CARRY_BYTES's default (and kCarryMax, the most sent to one peer)
 _ELEMENT_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2}
 
@@ -71,7 +72,7 @@ GLOO_PAIR_CARRY_BYTES = 512 << 10  # kPairCarryBytes: gemm_allreduce's and gemm_
 def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
                carry: bool = False, gloo: bool = False) -> list[tuple[str, int, int, str, str, int]]:
     """Every traced GEMM op call (SUPERKERNEL_OPS_TRACE) in ``stderr`` as (op, rank, m, the path it took, the path it
-    should have, the bytes it sends each peer when carried), a path being "carried", "ring" or "collective". With a
+    should have, the bytes it sends each peer when carried), a path being "carried", "ring", "plain" or "collective". With a
     peer over TCP: with ``carry`` (SUPERKERNEL_OPS_CARRY_BYTES unset; without it, carrying is off), carried when the
     chunk count is automatic and the bytes a rank sends to each peer (allgather_gemm its shard, m k elements;
     gemm_allreduce its whole product, m n; gemm_reducescatter one block of it, m / R n; a product's element 2 bytes
@@ -79,16 +80,19 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     direct sends cost more than its ring; the other two send what their collective sends, pipeline.h's CarryTotal);
     else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS,
     64 by default), gemm_allreduce's when moreover R divides m (m > 0), allgather_gemm's shard has ``min_rows``
-    rows. With every peer on this host: the collective paths. ``gloo``: the rules on Gloo with CPU tensors (and the
-    board off): carried as over TCP but with 256 KiB to a peer (allgather_gemm 4 MiB, the other two on two ranks
-    512 KiB), otherwise the collective path (no rings)."""
+    rows. With the default threshold (``min_rows`` 64: the variable unset) an allgather_gemm call that should ring
+    with an automatic chunk count may instead take the plain path the tuner also times (chunks=plain in the
+    trace: one allgather, then one GEMM); both are then what it should have. With every peer on this host: the
+    collective paths. ``gloo``: the rules on Gloo with CPU tensors (and the board off): carried as over TCP but
+    with 256 KiB to a peer (allgather_gemm 4 MiB, the other two on two ranks 512 KiB), otherwise the collective
+    path (no rings)."""
     calls = []
     stderr = without_rule_changes(stderr)
     traced = re.findall(r"^\[mk (?:allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=.*$", stderr,
                         flags=re.MULTILINE)
     unread = [line for line in traced if not _RING_TRACE.fullmatch(line)]
     assert not unread, f"trace lines gemm_paths cannot read: {unread[:3]}"
-    for op, rank, m, k, n, dtype, chunks, ring, half, _board, carried in _RING_TRACE.findall(stderr):
+    for op, rank, m, k, n, dtype, agreed, chunks, ring, half, _board, carried in _RING_TRACE.findall(stderr):
         m, k, n = int(m), int(k), int(n)
         product_bytes = 2 if half == "1" else 4
         if op == "allgather_gemm":
@@ -105,10 +109,13 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
         total = most if op == "gemm_allreduce" else (world - 1) * most
         want_carried = (carry and world > 1 and chunks == "automatic" and 0 < per_peer <= most
                         and (world - 1) * per_peer <= total)
-        took = "carried" if carried else "ring" if ring == "1" else "collective"
+        took = "carried" if carried else "plain" if agreed == "plain" else "ring" if ring == "1" else "collective"
         if gloo:
             want = "carried" if want_carried else "collective"
         else:
             want = "carried" if over_tcp and want_carried else "ring" if over_tcp and want_ring else "collective"
+            if (want == "ring" and took == "plain" and op == "allgather_gemm" and chunks == "automatic"
+                    and min_rows == DEFAULT_RING_ROWS):
+                want = "plain"
         calls.append((op, int(rank), m, took, want, per_peer))
     return calls

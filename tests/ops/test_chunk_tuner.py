@@ -12,6 +12,7 @@ from superkernel import _C
 
 LIMITS = _C.tuner_limits(4)
 TRIALS, FINAL, DROP = LIMITS["trials"], LIMITS["final_trials"], LIMITS["drop_ratio"]
+PLAIN = LIMITS["plain_path"]
 
 
 def test_limits_are_what_the_tests_below_assume() -> None:
@@ -93,6 +94,29 @@ def test_noisy_calls_finish_within_the_bound_and_find_the_faster(seed: int) -> N
     chunks, tuned = _C.tuner_pick(cands, secs)
     assert tuned, f"not tuned after {LIMITS['most_calls']} calls: {secs}"
     assert chunks == 2, secs
+
+
+def test_the_plain_path_is_a_candidate_like_the_counts() -> None:
+    """allgather_gemm across hosts also times its plain path (one allgather, then one GEMM). Chosen, it stays
+    chosen: tuning is over (a sentinel that took only positive choices for "tuned" once kept such a tuner
+    tuning forever and read past its candidates)."""
+    assert PLAIN < 1
+    cands = [2, 1, PLAIN]
+    secs = [[9e-3] + [5e-3] * FINAL, [9e-3] + [5.2e-3] * FINAL, [9e-3] + [4.6e-3] * FINAL]
+    assert _C.tuner_pick(cands, secs) == (PLAIN, True)
+    more = [s + [1.0] * 5 for s in secs]  # calls after tuning change nothing
+    assert _C.tuner_pick(cands, more) == (PLAIN, True)
+    # slower, it is dropped after the first round like any candidate
+    slow = [[9e-3] + [5e-3] * TRIALS, [9e-3] + [5.2e-3] * TRIALS, [9e-3] + [5e-3 * DROP * 1.1] * TRIALS]
+    assert _C.tuner_pick(cands, slow)[0] in (2, 1)
+    assert _C.tuner_kept(cands, slow)[2] == TRIALS
+
+
+def test_equal_medians_take_the_plain_path_before_one_chunk() -> None:
+    """Ties go to the fewer chunks; the plain path counts as one, before the overlapped path's one chunk."""
+    assert _C.tuner_pick([2, 1, PLAIN], [[5e-3] * (1 + FINAL)] * 3) == (PLAIN, True)
+    assert _C.tuner_pick([4, PLAIN, 2], [[5e-3] * (1 + FINAL)] * 3) == (PLAIN, True)
+    assert _C.tuner_pick([2, 1, PLAIN], [[5e-3] * (1 + FINAL), [4e-3] * (1 + FINAL), [5e-3] * (1 + FINAL)]) == (1, True)
 
 
 def test_a_rank_following_another_ranks_choice_keeps_few_timings() -> None:

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from superkernel import _C
 from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES,
                                  WorldCache, failures_of, gemm_paths)
 
@@ -308,6 +309,37 @@ def test_ring_rows_threshold(world: int) -> None:
         assert not problems, "\n".join(problems[:20])
 
 
+def test_allgather_gemm_tunes_the_ring_against_the_plain_path() -> None:
+    """Across hosts (tcp) with the default ring threshold, allgather_gemm with an automatic chunk count times
+    its plain path (one allgather, then one GEMM) beside the ring's chunk counts: while tuning both run, every
+    rank takes the same path on every call (rank 0's proposal), tuning ends within its bound and then one path
+    stays; every result matches the float64 reference and is the same bytes on both ranks."""
+    calls = 1 + _C.tuner_limits(5)["most_calls"] + 6
+    results = _ring_rule.results(2, "tcp", ["--tune-gather", str(calls)])
+    trace = re.compile(r"\[mk allgather_gemm rank \d+ call \d+\] m=96 k=40 n=24 (\w+) chunks=(\d+|plain) "
+                       r"\(proposed (?:\d+|plain), automatic\)")
+    per_rank = []
+    for res in results:
+        agreed = {dtype: [] for dtype in ("Float", "BFloat16")}
+        for dtype, chunks in trace.findall(res.stderr):
+            agreed[dtype].append(chunks)
+        assert all(len(v) == calls for v in agreed.values()), f"rank {res.rank}: {[len(v) for v in agreed.values()]}"
+        per_rank.append(agreed)
+        for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, 2, over_tcp=True, min_rows=64):
+            assert took == want, f"rank {rank}: {op} m={m}: {took}, not {want}"
+    assert per_rank[0] == per_rank[1], "the ranks took different paths"
+    for dtype, paths in per_rank[0].items():
+        tuning = set(paths[: calls - 6])
+        assert "plain" in tuning and tuning - {"plain"}, f"{dtype}: {paths}"
+        assert len(set(paths[-6:])) == 1, f"{dtype}: still switching after tuning: {paths[-6:]}"
+    reps = [r.report() for r in results]
+    problems = failures_of(reps, "allgather_gemm")
+    assert not problems, "\n".join(problems[:20])
+    assert reps[0]["digests"], "rank 0 recorded no digests"
+    differ = [k for k, v in reps[0]["digests"].items() if reps[1]["digests"].get(k) != v]
+    assert not differ, f"rank 1 differs from rank 0 on {differ[:5]}"
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_small_calls_carried(world: int) -> None:
     """Across hosts (tcp) with the default rules, a call whose payload is small (at most 64 KiB sent to each
@@ -419,8 +451,9 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
                     chunks: int, half_products: bool) -> int:
     """Rows per chunk the in-place shm path should use for a call (0: not in place), as
     csrc/kernels/gemm_collectives.cc decides: a row must fit in a slot, and the GEMMs it splits the product into
-    must pay for themselves ((G - 1) (k n + H) <= 2 x the elements of staging copy saved, H = 524288 for a
-    GEMM oneDNN makes in a half type on every rank, else 0) unless chunks were asked for. k and n are the
+    must pay for themselves ((G - 1) (k n + H) <= 2 x the elements of staging copy saved, H = _C.HALF_GEMM_CALL
+    (2^19, the fixed cost of a GEMM oneDNN makes in a half type) when every rank makes them so, else 0) unless
+    chunks were asked for. k and n are the
     largest any rank passed. gemm_allreduce and gemm_reducescatter stage fp32 terms, or half-type products as
     made when every rank makes them so; an fp32 row must fit either way."""
     term = 2 if half_products and dtype != "Float" else 4
@@ -442,7 +475,7 @@ def expect_in_place(op: str, world: int, slot_bytes: int, m: int, kmax: int, nma
     if op == "gemm_reducescatter" and per == rows:
         gemms = 1   # a chunk of every row of every block is the whole product: one GEMM into the slot
     g = -(-rows // per) * gemms
-    call_cost = 524288 if half_products else 0
+    call_cost = _C.HALF_GEMM_CALL if half_products else 0
     return per if (g - 1) * (kmax * nmax + call_cost) <= 2 * saved else 0
 
 
