@@ -12,11 +12,13 @@
 //       c = sum_r a_r @ b_r, [m, n] on every rank. On mk on one host: the products are written straight into
 //       the shared-memory staging slots, chunk by chunk, and reduced from there (no copy in). On mk across
 //       hosts (tcp) with R dividing m: the reduce-scatter ring below, then the reduced blocks ring on to every
-//       rank, each chunk as soon as it is final. Otherwise row chunks: chunk i's partial product is allreduced
+//       rank, each chunk as soon as it is final (or, when the chunk tuner times it faster, the plain path
+//       below with one chunk). Otherwise row chunks: chunk i's partial product is allreduced
 //       while chunk i+1 is multiplied (mk: ProcessGroupMK's allreduce issued from the group's lane thread).
 //   mk::gemm_reducescatter(a, b, group_name, chunks=0) -> c
 //       rows [r*m/R, (r+1)*m/R) of sum_r a_r @ b_r (R divides m). On mk across hosts a ring of partial sums
-//       over the transport (see ring_reducescatter). On mk on one host, the products of every block are
+//       over the transport (see ring_reducescatter), or the tuner's plain path (the GEMM, then mk's
+//       reduce-scatter). On mk on one host, the products of every block are
 //       written straight into the staging slots and each rank reduces its block from them. On other
 //       backends each chunk takes the same rows from every rank's block: on CPU (Gloo) an alltoall brings
 //       this rank its rows of that chunk from every rank, summed here in rank order; on accelerators the
@@ -230,9 +232,9 @@ bool mk_sums_half(const Group& g, at::ScalarType acc_t, at::ScalarType made_t) {
 // 4-row blocks made gemm_allreduce 0.65x and allgather_gemm 0.68x of unfused, bench/README.md). Below it the
 // op runs one GEMM and mk's collective, as unfused does. SUPERKERNEL_OPS_RING_MIN_ROWS sets it (every rank
 // alike: the choice is part of the argument agreement); tests set 1 to run the rings on small shapes. Read at
-// every call that may ring (as SUPERKERNEL_OPS_IN_PLACE). Above it, allgather_gemm with an automatic chunk
-// count also times its plain path (one allgather, then one GEMM) as a tuner candidate, unless the variable is
-// set (then it always rings).
+// every call that may ring (as SUPERKERNEL_OPS_IN_PLACE). Above it, with an automatic chunk count, the ops
+// also time their plain path (one GEMM and mk's collective, as below it) as a tuner candidate, unless the
+// variable is set (then they always ring).
 struct RingRows {
   bool may_ring = false;  // mk with a peer across hosts, R > 1
   bool set = false;       // SUPERKERNEL_OPS_RING_MIN_ROWS is set (not empty)
@@ -735,8 +737,9 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const int R = g.size;
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
-  const bool ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
-  model.max_chunks = std::max<int64_t>(1, ring ? m / R : m);  // (the ring splits each rank's block of rows)
+  const bool may_ring = err.empty() && m > 0 && m % R == 0 && rr.pays(m / R);
+  model.max_chunks = std::max<int64_t>(1, may_ring ? m / R : m);  // (the ring splits each rank's block of rows)
+  model.plain_too = may_ring && !rr.set;  // (see allgather_gemm)
   const CarryLimit cl = carry_limit(p, CarryTotal::one_peer, R == 2 ? kPairCarryBytes : kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
@@ -764,22 +767,27 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     carried.data = [&own](int) { return own.data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
-                   {{"ring", int64_t(ring), true}, {"half_products", int64_t(made_half), false}}, std::move(carried));
+                   {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false}},
+                   std::move(carried));
   // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
-  const bool slots_fit = err.empty() && !ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
-  // One chunk planned, no ring: the whole product a_r @ b_r does not depend on the agreed chunk count, so it
-  // is computed while the agreement travels (if rank 0 asked for more chunks, they are reduced from it).
+  const bool slots_fit = err.empty() && !may_ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
+  // One chunk planned, no ring (or the plain path proposed): the whole product a_r @ b_r does not depend on
+  // the agreed chunk count, so it is computed while the agreement travels (if rank 0 asked for more chunks,
+  // they are reduced from it; if it chose the ring, that computes its own).
   // (a product computed to be carried is that product, whatever the path)
-  const bool early = offer || (err.empty() && !ring && !slots_fit && ga.proposal() == 1 && m > 0 && n > 0);
+  const bool early = offer || (err.empty() && m > 0 && n > 0 &&
+                               (may_ring ? ga.proposal() == kPlainPath : !slots_fit && ga.proposal() == 1));
   if (early && !offer) {
     prepare();
     make_term();
     prod->into(term, a);
     p.publish(term);
   }
-  const int64_t C = ga.chunks();
+  const int64_t agreed = ga.chunks();
+  const bool ring = may_ring && agreed != kPlainPath;
+  const int64_t C = agreed == kPlainPath ? 1 : agreed;
   const bool all_half = ga.extra_min(1) != 0;  // every rank makes its products in the half type
   if ((sum_here || mk_half) && !all_half) {  // a rank made fp32 products (see sums_here): every rank sums fp32
     sum_here = mk_half = false;
@@ -925,7 +933,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // 512x256x512 0.96-0.97x against 0.96-1.00x; 1024x1024x1024 0.99x against 0.79-0.94x.
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
-  const bool ring = rr.pays(mb);
+  const bool may_ring = rr.pays(mb);
+  model.plain_too = err.empty() && may_ring && !rr.set;  // (see allgather_gemm)
   const CarryLimit cl = carry_limit(p, CarryTotal::every_peer, R == 2 ? kPairCarryBytes : kCarryMaxOther);
   if (err.empty()) err = cl.problem;
   const bool half = acc_t != a_in.scalar_type();
@@ -950,22 +959,26 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };
   }
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
-                   {{"ring", int64_t(ring), true}, {"half_products", int64_t(made_half), false}}, std::move(carried));
+                   {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false}},
+                   std::move(carried));
   // mk on one host: each block's products are written straight into the shm staging slots (no copy in),
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
-  const bool slots_fit = err.empty() && !ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
-  // One chunk planned, no ring: every rank's block of partial sums (the whole a_r @ b_r, [R, mb, n]) is
-  // computed while the agreement travels.
+  const bool slots_fit = err.empty() && !may_ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
+  // One chunk planned, no ring (or the plain path proposed): every rank's block of partial sums (the whole
+  // a_r @ b_r, [R, mb, n]) is computed while the agreement travels.
   // (a product computed to be carried is that product, whatever the path)
-  const bool early = offer || (err.empty() && !ring && !slots_fit && R > 1 && ga.proposal() == 1 && mb > 0 && n > 0);
+  const bool early = offer || (err.empty() && R > 1 && mb > 0 && n > 0 &&
+                               (may_ring ? ga.proposal() == kPlainPath : !slots_fit && ga.proposal() == 1));
   if (early && !offer) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(stage_t));
     prod->into(full.view({m, n}), a);
     p.publish(full);
   }
-  const int64_t C = ga.chunks();
+  const int64_t agreed = ga.chunks();
+  const bool ring = may_ring && agreed != kPlainPath;
+  const int64_t C = agreed == kPlainPath ? 1 : agreed;
   if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
     auto part = [&](int q) {
       if (q == r) return full.select(0, r);

@@ -119,7 +119,8 @@ struct ChunkModel {
   int64_t max_chunks = 1;  // upper bound (e.g. rows available to split)
   at::ScalarType dtype = at::kFloat;
   // The op can also run its plain path: the tuner then times it as one more candidate, kPlainPath, beside the
-  // chunk counts (allgather_gemm's ring across hosts, which loses where the link leaves little to hide).
+  // chunk counts (the GEMM ops' rings across hosts, which lose where the link leaves little to hide or the
+  // transport's thread preempts the GEMM's thread team).
   bool plain_too = false;
 };
 

@@ -6,12 +6,12 @@ exact_half_types). Prints one REPORT line: failures per family, result digests (
 ranks), timings, and how many results were checked bit for bit.
 
     python gemm_suite.py [--backend mk|gloo] [--errors] [--opcheck] [--compile] [--large] [--widen-half-on R,...]
-                         [--small-half-gemm-on R:N,...] [--tune-gather CALLS]
+                         [--small-half-gemm-on R:N,...] [--tune-plain CALLS]
 
 --widen-half-on sets SUPERKERNEL_OPS_WIDEN_HALF=1 on the ranks listed only, as in a cluster whose processors
 differ in oneDNN bf16/fp16 support (the ops read it at their first half-type call). --small-half-gemm-on sets
 SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R (else each rank measures its own small-GEMM limit; the models of
-the products use every rank's, gathered at the start). --tune-gather runs only run_tune_gather.
+the products use every rank's, gathered at the start). --tune-plain runs only run_tune_plain.
 """
 from __future__ import annotations
 
@@ -495,15 +495,20 @@ def run_compile() -> None:
     check("compile", "fullgraph trace", case)
 
 
-def run_tune_gather(calls: int) -> None:
-    """One allgather_gemm shape whose shard has the ring's 64 rows, called `calls` times with an automatic chunk
-    count, alternating the gathered A: across hosts the chunk tuner times the ring's chunk counts and the plain
-    path (one allgather, then one GEMM) on these calls; every call is checked and its result digested."""
+def run_tune_plain(calls: int) -> None:
+    """Each GEMM op at one shape whose blocks have the ring's 64 rows (allgather_gemm's shard; the other two's
+    m / R, on 2 ranks), called `calls` times with an automatic chunk count (allgather_gemm alternating the
+    gathered A): across hosts the chunk tuner times the ring's chunk counts and the plain path (one GEMM and
+    mk's collective) on these calls; every call is checked, and allgather_gemm's and gemm_allreduce's results
+    are digested per call."""
     for i in range(calls):
         for dtype in (torch.float32, torch.bfloat16):
-            name = f"call {i} m=96 k=40 n=24 {dtype}"
+            name = f"call {i} {dtype}"
             check("allgather_gemm", name, lambda: allgather_gemm_case(96, 40, 24, dtype, 0, i % 2 == 1))
-            digests[f"tune/{i}/{dtype}"] = digests[f"ag/96/40/24/{dtype}/0/{i % 2 == 1}"]
+            digests[f"tune/ag/{i}/{dtype}"] = digests[f"ag/96/40/24/{dtype}/0/{i % 2 == 1}"]
+            check("gemm_allreduce", name, lambda: gemm_allreduce_case(64 * world, 40, 24, dtype, 0))
+            digests[f"tune/ar/{i}/{dtype}"] = digests[f"ar/{64 * world}/40/24/{dtype}/0"]
+            check("gemm_reducescatter", name, lambda: gemm_reducescatter_case(64, 40, 24, dtype, 0))
 
 
 def main() -> None:
@@ -514,7 +519,7 @@ def main() -> None:
     ap.add_argument("--opcheck", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--large", action="store_true")
-    ap.add_argument("--tune-gather", type=int, default=0, help="only allgather_gemm at one shape, this many calls")
+    ap.add_argument("--tune-plain", type=int, default=0, help="only each op at one shape, this many calls")
     ap.add_argument("--widen-half-on", default="", help="comma-separated ranks that widen half types")
     ap.add_argument("--small-half-gemm-on", default="",
                     help="R:N,... sets SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R")
@@ -537,8 +542,8 @@ def main() -> None:
         if mk_shm:
             exact_half_bytes = int(os.environ.get("SUPERKERNEL_SHM_CHUNK", 1 << 20))
     t0 = time.perf_counter()
-    if args.tune_gather:
-        run_tune_gather(args.tune_gather)
+    if args.tune_plain:
+        run_tune_plain(args.tune_plain)
     else:
         run_ops(args.large)
         run_grads()

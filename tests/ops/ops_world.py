@@ -80,9 +80,9 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
     direct sends cost more than its ring; the other two send what their collective sends, pipeline.h's CarryTotal);
     else a ring when gemm_reducescatter's blocks (m / R rows) have ``min_rows`` rows (SUPERKERNEL_OPS_RING_MIN_ROWS,
     64 by default), gemm_allreduce's when moreover R divides m (m > 0), allgather_gemm's shard has ``min_rows``
-    rows. With the default threshold (``min_rows`` 64: the variable unset) an allgather_gemm call that should ring
-    with an automatic chunk count may instead take the plain path the tuner also times (chunks=plain in the
-    trace: one allgather, then one GEMM); both are then what it should have. With every peer on this host: the
+    rows. With the default threshold (``min_rows`` 64: the variable unset) a call that should ring with an
+    automatic chunk count may instead take the plain path the tuner also times (chunks=plain in the trace: the
+    collective path with one chunk); both are then what it should have. With every peer on this host: the
     collective paths. ``gloo``: the rules on Gloo with CPU tensors (and the board off): carried as over TCP but
     with 256 KiB to a peer (allgather_gemm 4 MiB, the other two on two ranks 512 KiB), otherwise the collective
     path (no rings)."""
@@ -114,8 +114,7 @@ def gemm_paths(stderr: str, world: int, over_tcp: bool, min_rows: int,
             want = "carried" if want_carried else "collective"
         else:
             want = "carried" if over_tcp and want_carried else "ring" if over_tcp and want_ring else "collective"
-            if (want == "ring" and took == "plain" and op == "allgather_gemm" and chunks == "automatic"
-                    and min_rows == DEFAULT_RING_ROWS):
+            if want == "ring" and took == "plain" and chunks == "automatic" and min_rows == DEFAULT_RING_ROWS:
                 want = "plain"
         calls.append((op, int(rank), m, took, want, per_peer))
     return calls

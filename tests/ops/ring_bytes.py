@@ -36,8 +36,9 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("mk")
     rank, world = dist.get_rank(), dist.get_world_size()
-    # m rows with m / world >= 64 (SUPERKERNEL_OPS_RING_MIN_ROWS' default): the rings; products of 256 KiB
-    # and more in a half type, above what mk carries in the agreement
+    # m rows with m / world >= 64 (SUPERKERNEL_OPS_RING_MIN_ROWS' default, which the test sets: with it set the
+    # ops always ring, without it the tuner may keep the plain path); products of 256 KiB and more in a half
+    # type, above what mk carries in the agreement
     m, k, n = 256, 64, 512
     out: dict[str, float] = {}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):

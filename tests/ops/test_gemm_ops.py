@@ -309,33 +309,36 @@ def test_ring_rows_threshold(world: int) -> None:
         assert not problems, "\n".join(problems[:20])
 
 
-def test_allgather_gemm_tunes_the_ring_against_the_plain_path() -> None:
-    """Across hosts (tcp) with the default ring threshold, allgather_gemm with an automatic chunk count times
-    its plain path (one allgather, then one GEMM) beside the ring's chunk counts: while tuning both run, every
-    rank takes the same path on every call (rank 0's proposal), tuning ends within its bound and then one path
-    stays; every result matches the float64 reference and is the same bytes on both ranks."""
+def test_rings_tuned_against_the_plain_path() -> None:
+    """Across hosts (tcp) with the default ring threshold and an automatic chunk count, each GEMM op times its
+    plain path (one GEMM and mk's collective) beside the ring's chunk counts: while tuning both run, every rank
+    takes the same path on every call (rank 0's proposal), tuning ends within its bound and then one path
+    stays; every result matches the float64 reference, and allgather_gemm's and gemm_allreduce's are the same
+    bytes on both ranks."""
     calls = 1 + _C.tuner_limits(5)["most_calls"] + 6
-    results = _ring_rule.results(2, "tcp", ["--tune-gather", str(calls)])
-    trace = re.compile(r"\[mk allgather_gemm rank \d+ call \d+\] m=96 k=40 n=24 (\w+) chunks=(\d+|plain) "
-                       r"\(proposed (?:\d+|plain), automatic\)")
+    results = _ring_rule.results(2, "tcp", ["--tune-plain", str(calls)])
+    trace = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(?:96|128) "
+                       r"k(?:_r)?=\d+ n=24 (\w+) chunks=(\d+|plain) \(proposed (?:\d+|plain), automatic\)")
     per_rank = []
     for res in results:
-        agreed = {dtype: [] for dtype in ("Float", "BFloat16")}
-        for dtype, chunks in trace.findall(res.stderr):
-            agreed[dtype].append(chunks)
-        assert all(len(v) == calls for v in agreed.values()), f"rank {res.rank}: {[len(v) for v in agreed.values()]}"
+        agreed: dict[tuple[str, str], list[str]] = {}
+        for op, dtype, chunks in trace.findall(res.stderr):
+            agreed.setdefault((op, dtype), []).append(chunks)
+        assert len(agreed) == 6 and all(len(v) == calls for v in agreed.values()), \
+            f"rank {res.rank}: {[(k, len(v)) for k, v in agreed.items()]}"
         per_rank.append(agreed)
         for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, 2, over_tcp=True, min_rows=64):
             assert took == want, f"rank {rank}: {op} m={m}: {took}, not {want}"
     assert per_rank[0] == per_rank[1], "the ranks took different paths"
-    for dtype, paths in per_rank[0].items():
+    for key, paths in per_rank[0].items():
         tuning = set(paths[: calls - 6])
-        assert "plain" in tuning and tuning - {"plain"}, f"{dtype}: {paths}"
-        assert len(set(paths[-6:])) == 1, f"{dtype}: still switching after tuning: {paths[-6:]}"
+        assert "plain" in tuning and tuning - {"plain"}, f"{key}: {paths}"
+        assert len(set(paths[-6:])) == 1, f"{key}: still switching after tuning: {paths[-6:]}"
     reps = [r.report() for r in results]
-    problems = failures_of(reps, "allgather_gemm")
-    assert not problems, "\n".join(problems[:20])
-    assert reps[0]["digests"], "rank 0 recorded no digests"
+    for family in ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter"):
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])
+    assert any(k.startswith("tune/ar/") for k in reps[0]["digests"]), "rank 0 recorded no digests"
     differ = [k for k, v in reps[0]["digests"].items() if reps[1]["digests"].get(k) != v]
     assert not differ, f"rank 1 differs from rank 0 on {differ[:5]}"
 

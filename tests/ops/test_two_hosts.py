@@ -183,8 +183,9 @@ def test_mk_rings_move_half_types_in_half_the_bytes() -> None:
     all_reduce and reduce_scatter of half-type tensors (one rank per host: every term travels as it is, sums
     in fp32) send about half of fp32's bytes too."""
     with TwoHosts() as hosts:
+        # (the threshold set, at its default: the rings on every call, never the tuner's plain path)
         results = run_torch_job(hosts, str(HERE / "ring_bytes.py"), [], nproc_per_host=1, timeout=300,
-                                env={"SUPERKERNEL_FRONTEND": "0"})
+                                env={"SUPERKERNEL_FRONTEND": "0", "SUPERKERNEL_OPS_RING_MIN_ROWS": "64"})
     reports = rank_reports(results, per_host=1)
     for rep in reports:
         m, _, n = rep["shape"]
