@@ -2,8 +2,9 @@
 //   mk::allgather_gemm(a, b, group_name, return_gathered=False, chunks=0) -> (c, gathered)
 //       c = cat_r(a_r) @ b, [R*m, n]. On mk across hosts a ring over the transport: each step forwards the
 //       shard part just received to the next rank while multiplying it (no staging copies: parts land in
-//       `gathered`), or, when the chunk tuner times it faster, one allgather and one GEMM. On mk on one host: every rank stages its shard in its shared-memory slots once, and each
-//       rank multiplies every shard straight from the slots, chunk by chunk as they are staged (no copy out).
+//       `gathered`), or, when the chunk tuner times it faster, one allgather and one GEMM. On mk on one
+//       host: every rank stages its shard in its shared-memory slots once, and each rank multiplies every
+//       shard straight from the slots, chunk by chunk as they are staged (no copy out).
 //       On other backends: one allgather then one GEMM with one chunk, else the allgather of row part i+1
 //       while part i is multiplied.
 //       `gathered` is cat_r(a_r) [R*m, k] when return_gathered, else [0, k] (always a tuple, so the schema
@@ -306,8 +307,8 @@ class GemmAgreement {
     const int64_t C = all_[0].back();
     // (a carried call has no chunks: its time says nothing about the chunk count the tuner proposed)
     p_.use_chunks(carried() ? 0 : C);
-    auto name = [](int64_t c) { return c == kPlainPath ? std::string("plain") : std::to_string(c); };
-    p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", name(C), " (proposed ", name(proposal_),
+    p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", chunks_name(C), " (proposed ",
+             chunks_name(proposal_),
              requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
              agreement_->on_board() ? " agreement=board" : "", carried() ? " carried" : "");
     return C;
@@ -500,9 +501,11 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.max_chunks = std::max<int64_t>(1, m);
   // mk across hosts: a ring over the transport, when a shard has rows enough for a GEMM of its own. With an
   // automatic chunk count the tuner also times the plain path (kPlainPath: one allgather, then one GEMM, as
-  // unfused): where the link's transfer is short next to the product, the ring's overlap costs the shared
-  // cores more than it hides (2 namespace hosts at 1 Gbit/s, bf16 1024x128x1024: the ring 0.82-0.95x of
-  // unfused over five runs, without it 1.00-1.01x; bench/README.md).
+  // unfused): where the link's transfer is short next to the product, or the transport's thread preempts
+  // the GEMM's thread team, the ring's overlap costs the cores more than it hides. 2 namespace hosts at
+  // 1 Gbit/s, bf16 1024x128x1024 (bench/README.md): with two threads per rank on two cores the ring was 0.32x
+  // of unfused, the plain path kept by the tuner 0.99x; with one, the ring 0.82-0.95x over five runs and
+  // 0.89-0.94x over four since (the two time alike there, and the tuner keeps either).
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool may_ring = err.empty() && rr.pays(m);

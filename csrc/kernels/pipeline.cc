@@ -527,6 +527,8 @@ bool Pipeline::over_tcp() const {
 
 void Pipeline::use_chunks(int64_t agreed) { chunks_used_ = agreed; }
 
+std::string chunks_name(int64_t chunks) { return chunks == kPlainPath ? "plain" : std::to_string(chunks); }
+
 void Pipeline::record_timing() {
   if (!tuner_ || chunks_used_ == 0 || std::uncaught_exceptions() > 0) return;
   const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
@@ -534,9 +536,8 @@ void Pipeline::record_timing() {
   const bool tuning = !tuner_->done();
   tuner_->record(chunks_used_, secs);
   if (!tuning || !tracing()) return;
-  auto name = [](int64_t c) { return c == kPlainPath ? std::string("plain") : std::to_string(c); };
-  std::string line = c10::str("tuner: chunks=", name(chunks_used_), " took ", secs * 1e3, " ms");
-  if (tuner_->done()) line += c10::str("; tuned, using chunks=", name(tuner_->next()));
+  std::string line = c10::str("tuner: chunks=", chunks_name(chunks_used_), " took ", secs * 1e3, " ms");
+  if (tuner_->done()) line += c10::str("; tuned, using chunks=", chunks_name(tuner_->next()));
   emit_trace(line);
 }
 

@@ -111,6 +111,8 @@ struct Tuner {
 // A proposal of Pipeline::chunks for a model with `plain_too`: the op's plain path (one collective, then one
 // computation, as its unfused composition runs) instead of its overlapped one.
 constexpr int64_t kPlainPath = -1;
+// How traces name an agreed or proposed chunk count: "plain" for kPlainPath, else the count.
+std::string chunks_name(int64_t chunks);
 
 // Cost model inputs for the automatic chunk count.
 struct ChunkModel {
