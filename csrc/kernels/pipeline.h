@@ -121,8 +121,8 @@ struct ChunkModel {
   int64_t max_chunks = 1;  // upper bound (e.g. rows available to split)
   at::ScalarType dtype = at::kFloat;
   // The op can also run its plain path: the tuner then times it as one more candidate, kPlainPath, beside the
-  // chunk counts (the GEMM ops' rings across hosts, which lose where the link leaves little to hide or the
-  // transport's thread preempts the GEMM's thread team).
+  // chunk counts (the GEMM ops' rings across hosts, which lose where the link leaves little to hide, and
+  // with as many GEMM threads as cores, bench/README.md).
   bool plain_too = false;
 };
 
