@@ -134,7 +134,7 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
         fn()
     if tune and "fused" in fns and chunks == 0:
         # the automatic chunk count times up to 5 candidates on the calls first (csrc/kernels/pipeline.h,
-        # Tuner: 4 chunk counts, and allgather_gemm's plain path across hosts): measure the steady state a
+        # Tuner: 4 chunk counts, and the GEMM ops' plain path across hosts): measure the steady state a
         # training loop sees, not the tuning
         # (after the same idle link as every timed call: over a tc tbf link the tuner otherwise times calls
         # that start from an empty token bucket, and picks for a link the timed calls never see)

@@ -97,7 +97,7 @@ def test_noisy_calls_finish_within_the_bound_and_find_the_faster(seed: int) -> N
 
 
 def test_the_plain_path_is_a_candidate_like_the_counts() -> None:
-    """allgather_gemm across hosts also times its plain path (one allgather, then one GEMM). Chosen, it stays
+    """The GEMM ops across hosts also time their plain path (one GEMM and mk's collective). Chosen, it stays
     chosen: tuning is over (a sentinel that took only positive choices for "tuned" once kept such a tuner
     tuning forever and read past its candidates)."""
     assert PLAIN < 1
