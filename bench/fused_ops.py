@@ -133,13 +133,13 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     for fn in fns.values():  # warm-up (first-call costs: allocations, the op's link/compute estimates)
         fn()
     if tune and "fused" in fns and chunks == 0:
-        # the automatic chunk count times up to 5 candidates on the calls first (csrc/kernels/pipeline.h,
+        # the automatic chunk count times up to most_candidates on the calls first (csrc/kernels/pipeline.h,
         # Tuner: 4 chunk counts, and the GEMM ops' plain path across hosts): measure the steady state a
         # training loop sees, not the tuning
         # (after the same idle link as every timed call: over a tc tbf link the tuner otherwise times calls
         # that start from an empty token bucket, and picks for a link the timed calls never see)
         from superkernel import _C
-        for _ in range(_C.tuner_limits(5)["most_calls"]):
+        for _ in range(_C.tuner_limits()["most_calls"]):
             if settle > 0:
                 time.sleep(settle)
                 _barrier(dist)

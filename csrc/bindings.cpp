@@ -549,12 +549,13 @@ PYBIND11_MODULE(_C, m) {
         return py::dict(py::arg("trials") = Tuner::kTrials, py::arg("final_trials") = Tuner::kFinalTrials,
                         py::arg("drop_ratio") = Tuner::kDropRatio,
                         py::arg("most_calls") = Tuner::most_calls(candidates),
-                        py::arg("plain_path") = mk::kernels::kPlainPath);
+                        py::arg("plain_path") = mk::kernels::kPlainPath,
+                        py::arg("most_candidates") = Tuner::kMostCandidates);
       },
-      py::arg("candidates") = 4,
-      "The automatic chunk tuner's constants, and the most calls tuning that many candidates takes (up to 5 "
-      "in Pipeline::chunks: 4 chunk counts and an op's plain path), and the candidate that stands for the plain "
-      "path.");
+      py::arg("candidates") = mk::kernels::Tuner::kMostCandidates,
+      "The automatic chunk tuner's constants, the most calls tuning that many candidates takes (by default as "
+      "many as Pipeline::chunks proposes at most, most_candidates: 4 chunk counts and an op's plain path), and "
+      "the candidate that stands for the plain path.");
 
   m.def(
       "copy_bytes",

@@ -251,9 +251,7 @@ RingRows ring_rows(const Group& g, const Pipeline& p) {
   RingRows rr;
   rr.may_ring = g.size > 1 && g.is_mk() && p.over_tcp();
   if (rr.may_ring) {
-    rr.least = env_integer("SUPERKERNEL_OPS_RING_MIN_ROWS", 64, 1, rr.problem);
-    const char* v = std::getenv("SUPERKERNEL_OPS_RING_MIN_ROWS");
-    rr.set = v && *v;
+    rr.least = env_integer("SUPERKERNEL_OPS_RING_MIN_ROWS", 64, 1, rr.problem, &rr.set);
   }
   return rr;
 }
@@ -302,7 +300,12 @@ class GemmAgreement {
   }
   // After chunks(): what rank 0 passed for extra field j.
   int64_t extra_of_rank0(size_t j) const { return all_.at(0).at(kFirstExtra + j); }
-  int64_t chunks() {
+  // What chunks() returns: the path every rank takes, as rank 0 proposed it.
+  struct Agreed {
+    bool plain;     // the op's plain path (kPlainPath: one collective and one GEMM), not its overlapped one
+    int64_t count;  // the chunk count (1 on the plain path)
+  };
+  Agreed chunks() {
     all_ = agreement_->result();
     const int64_t C = all_[0].back();
     // (a carried call has no chunks: its time says nothing about the chunk count the tuner proposed)
@@ -311,7 +314,7 @@ class GemmAgreement {
              chunks_name(proposal_),
              requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
              agreement_->on_board() ? " agreement=board" : "", carried() ? " carried" : "");
-    return C;
+    return {C == kPlainPath, C == kPlainPath ? 1 : C};
   }
   // After chunks(): every rank's payload came inside the agreement (see CarryLimit).
   bool carried() const { return agreement_->carried(); }
@@ -574,9 +577,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     at::Tensor own = c.narrow(0, r * m, m);
     prod->into(own, src);
   }
-  const int64_t agreed = ga.chunks();
-  const bool ring = may_ring && agreed != kPlainPath;
-  const int64_t C = agreed == kPlainPath ? 1 : agreed;
+  const GemmAgreement::Agreed agreed = ga.chunks();
+  const bool ring = may_ring && !agreed.plain;
+  const int64_t C = agreed.count;
   prepare();
   // Ranks that make half-type products differently (hosts whose processors differ, see native_half_gemm) all
   // widen, so that every rank multiplies each block alike and the output is the same bytes everywhere.
@@ -788,9 +791,9 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     prod->into(term, a);
     p.publish(term);
   }
-  const int64_t agreed = ga.chunks();
-  const bool ring = may_ring && agreed != kPlainPath;
-  const int64_t C = agreed == kPlainPath ? 1 : agreed;
+  const GemmAgreement::Agreed agreed = ga.chunks();
+  const bool ring = may_ring && !agreed.plain;
+  const int64_t C = agreed.count;
   const bool all_half = ga.extra_min(1) != 0;  // every rank makes its products in the half type
   if ((sum_here || mk_half) && !all_half) {  // a rank made fp32 products (see sums_here): every rank sums fp32
     sum_here = mk_half = false;
@@ -979,9 +982,9 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     prod->into(full.view({m, n}), a);
     p.publish(full);
   }
-  const int64_t agreed = ga.chunks();
-  const bool ring = may_ring && agreed != kPlainPath;
-  const int64_t C = agreed == kPlainPath ? 1 : agreed;
+  const GemmAgreement::Agreed agreed = ga.chunks();
+  const bool ring = may_ring && !agreed.plain;
+  const int64_t C = agreed.count;
   if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
     auto part = [&](int q) {
       if (q == r) return full.select(0, r);

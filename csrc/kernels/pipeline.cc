@@ -429,6 +429,7 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
     for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
       if (std::find(cands.begin(), cands.end(), v) == cands.end()) cands.push_back(v);
     if (model.plain_too) cands.push_back(kPlainPath);
+    TORCH_INTERNAL_ASSERT(cands.size() <= Tuner::kMostCandidates, "mk ", op_, ": ", cands.size(), " tuner candidates");
     t.start(std::move(cands));
   }
   tuner_ = &t;
@@ -811,8 +812,9 @@ void Pipeline::publish(const at::Tensor& t) {
   ev.synchronize();
 }
 
-int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem) {
+int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem, bool* set) {
   const char* v = std::getenv(name);
+  if (set) *set = v && *v;
   if (!v || !*v) return fallback;
   char* end = nullptr;
   const long long x = std::strtoll(v, &end, 10);

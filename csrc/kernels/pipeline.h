@@ -87,6 +87,8 @@ struct Tuner {
   static constexpr size_t kTrials = 3;       // timed calls per candidate before the slow ones are dropped
   static constexpr size_t kFinalTrials = 7;  // timed calls per remaining candidate before the choice
   static constexpr double kDropRatio = 1.25;
+  // The most candidates Pipeline::chunks proposes: 4 chunk counts, and the op's plain path (ChunkModel).
+  static constexpr size_t kMostCandidates = 5;
   std::vector<int64_t> candidates;
   std::vector<size_t> calls;                 // calls per candidate (its first, untimed, included)
   std::vector<std::vector<double>> seconds;  // the timed calls per candidate
@@ -122,7 +124,8 @@ struct ChunkModel {
   at::ScalarType dtype = at::kFloat;
   // The op can also run its plain path: the tuner then times it as one more candidate, kPlainPath, beside the
   // chunk counts (the GEMM ops' rings across hosts, which lose where the link leaves little to hide, and
-  // with as many GEMM threads as cores, bench/README.md).
+  // with as many GEMM threads as cores, bench/README.md; ring_attention's unmasked ring, one chunk, against
+  // gathering K/V).
   bool plain_too = false;
 };
 
@@ -298,8 +301,9 @@ class Pipeline {
 };
 
 // An integer environment variable of at least `least` (`fallback` when unset or empty); an invalid value sets
-// `problem` (an argument error, reported through the agreement) and gives 0.
-int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem);
+// `problem` (an argument error, reported through the agreement) and gives 0. `set`, when given, says whether
+// the variable was set (not empty), valid or not.
+int64_t env_integer(const char* name, int64_t fallback, int64_t least, std::string& problem, bool* set = nullptr);
 
 // Small calls: the whole payload travels inside the argument agreement's messages (group.h's Carried), so the
 // call makes one exchange instead of the agreement's round trip followed by the op's own (2 namespace hosts at

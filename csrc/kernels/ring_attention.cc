@@ -154,9 +154,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   bool ring_min_set = false;
   if (may_ring) {
     std::string bad;
-    const char* set = std::getenv("SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ");
-    ring_min_set = set && *set;
-    ring_min = env_integer("SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", 256, 1, bad);
+    ring_min = env_integer("SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", 256, 1, bad, &ring_min_set);
     if (local_problem.empty()) local_problem = bad;
   }
   const bool ok = local_problem.empty();
@@ -165,16 +163,18 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   // one call is faster (2 namespace hosts at 1 Gbit/s, fp32, b=1 hq=8 hkv=2 s=512x2 d=64: the ring 0.93x of
   // unfused, comm 1.2 ms against 12.5 ms of attention; hkv=8 s=1024x2: 1.31x). So across hosts, with the
   // default threshold, unmasked blocks at or above it take the ring or the gather as the chunk tuner finds
-  // faster on the calls themselves (Pipeline::chunks with two candidates: 1 gathers, 2 rings; rank 0's
-  // proposal is used on every rank). With SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ set, they always ring.
+  // faster on the calls themselves (Pipeline::chunks with the ring as its one chunk count and the gather as
+  // the op's plain path, kPlainPath; rank 0's proposal is used on every rank). With
+  // SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ set, they always ring.
   // Causal blocks always ring: the zigzag layout skips the masked ones (1.34x and 1.94x there).
   const bool tune_path = may_ring && !causal && !ring_min_set && ok && q.size(2) >= ring_min;
-  int64_t path_proposal = 2;
+  int64_t path_proposal = 1;  // (the ring)
   if (tune_path) {
     ChunkModel model;
     model.comm_bytes = double(R - 1) * 2.0 * double(k.numel()) * double(k.element_size());
     model.flops = 4.0 * double(q.numel()) * double(R) * double(q.size(2));  // 2 GEMMs: s x R s x d per head
-    model.max_chunks = 2;
+    model.max_chunks = 1;
+    model.plain_too = true;
     model.dtype = q.scalar_type();
     path_proposal = p.chunks(0, model);
   }
@@ -199,11 +199,11 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
                                        {"scale (bits of the double)", sc_bits},
                                        {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", ok ? ring_min : -1},
                                        {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ set", int64_t(ring_min_set)},
-                                       {"ring (tuned)", path_proposal, false}},
+                                       {"path (tuned)", path_proposal, false}},
                                       local_problem, std::move(carried));
   const std::vector<std::vector<int64_t>> agreed = agreement.result();
   const bool have_all = agreement.carried();
-  const bool tuned_gather = tune_path && !have_all && agreed[0].back() == 1;  // rank 0's proposal
+  const bool tuned_gather = tune_path && !have_all && agreed[0].back() == kPlainPath;  // rank 0's proposal
   if (tune_path && !have_all) p.use_chunks(agreed[0].back());
   // Rank src's packed K/V when it came with the agreement (this rank's own: `mine`).
   auto carried_block = [&](int src) {

@@ -315,7 +315,7 @@ def test_rings_tuned_against_the_plain_path() -> None:
     takes the same path on every call (rank 0's proposal), tuning ends within its bound and then one path
     stays; every result matches the float64 reference, and allgather_gemm's and gemm_allreduce's are the same
     bytes on both ranks."""
-    calls = 1 + _C.tuner_limits(5)["most_calls"] + 6
+    calls = 1 + _C.tuner_limits()["most_calls"] + 6
     results = _ring_rule.results(2, "tcp", ["--tune-plain", str(calls)])
     trace = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(?:96|128) "
                        r"k(?:_r)?=\d+ n=24 (\w+) chunks=(\d+|plain) \(proposed (?:\d+|plain), automatic\)")
