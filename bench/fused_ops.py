@@ -297,6 +297,10 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--hosts-desc", default="")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin each rank, with every thread it starts, to one CPU (its global rank modulo the CPUs it "
+                         "may use): between namespace hosts on one machine, each host then has a core of its own, "
+                         "which its product's threads fill and its transport threads must share")
     args = ap.parse_args()
     if args.blocks < 1:
         ap.error(f"--blocks must be at least 1, got {args.blocks}")
@@ -305,6 +309,9 @@ def main() -> int:
     from collectives import detect_launch
 
     launch = detect_launch()
+    if args.pin:  # (before torch and the backend start their threads: they inherit it)
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[launch.rank % len(cpus)]})
     import torch
     import torch.distributed as dist
 
@@ -319,6 +326,8 @@ def main() -> int:
     wanted_ops = {o for o in args.ops.split(",") if o}
     hosts = {platform.node()}
     hosts_desc = args.hosts_desc or f"1 host ({os.environ.get('SUPERKERNEL_TRANSPORT', 'auto')} transport)"
+    if args.pin:
+        hosts_desc += ", each rank pinned to one CPU"
     results = []
     for fam in wanted_families:
         for case in REGISTRY[fam](ctx):
@@ -356,9 +365,11 @@ def main() -> int:
                 print(f"  measured {case.op} {case.shape}: fused {row['fused_ms']:.3f} ms, unfused "
                       f"{row['unfused_ms']:.3f} ms, ideal {row['ideal_ms']:.3f} ms, both {row['both_ms']:.3f} ms",
                       flush=True)
+    cpus_by_rank: list[Any] = [None] * launch.world_size  # (the CPUs each rank may run on: --pin shows here)
+    dist.all_gather_object(cpus_by_rank, sorted(os.sched_getaffinity(0)))
     doc = {"meta": {"world_size": launch.world_size, "backend": args.backend, "dtype": args.dtype,
                     "chunks": args.chunks, "blocks": args.blocks, "settle_ms": args.settle_ms,
-                    "hosts_desc": hosts_desc,
+                    "hosts_desc": hosts_desc, "cpus_by_rank": cpus_by_rank,
                     "launcher": launch.launcher,
                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "host": sorted(hosts), "load": os.getloadavg(), "families": families,

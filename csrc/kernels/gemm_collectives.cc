@@ -504,11 +504,13 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   model.max_chunks = std::max<int64_t>(1, m);
   // mk across hosts: a ring over the transport, when a shard has rows enough for a GEMM of its own. With an
   // automatic chunk count the tuner also times the plain path (kPlainPath: one allgather, then one GEMM, as
-  // unfused): where the link's transfer is short next to the product, or the GEMM's threads fill the cores
-  // (the transport's thread then competes with them), the ring's overlap costs more than it hides. 2 namespace hosts at
-  // 1 Gbit/s, bf16 1024x128x1024 (bench/README.md): with two threads per rank on two cores the ring was 0.32x
-  // of unfused, the plain path kept by the tuner 0.99x; with one, the ring 0.82-0.95x over five runs and
-  // 0.89-0.94x over four since (the two time alike there, and the tuner keeps either).
+  // unfused): where the link's transfer is short next to the product, or where more GEMM threads than cores
+  // run (the ranks' teams and the transport's threads then preempt each other; which of them costs is not
+  // isolated), the ring's overlap costs more than it hides. 2 namespace hosts at 1 Gbit/s, bf16
+  // 1024x128x1024 (bench/README.md): with two threads per rank on two shared cores the ring was 0.32x of
+  // unfused, the plain path kept by the tuner 0.99x; with one, the ring 0.82-0.95x over five runs and
+  // 0.89-0.94x over four since (the two time alike there, and the tuner keeps either); with each rank pinned
+  // to a core of its own, the rings kept paying where they paid unpinned.
   const RingRows rr = ring_rows(g, p);
   if (err.empty()) err = rr.problem;
   const bool may_ring = err.empty() && rr.pays(m);

@@ -124,7 +124,7 @@ struct ChunkModel {
   at::ScalarType dtype = at::kFloat;
   // The op can also run its plain path: the tuner then times it as one more candidate, kPlainPath, beside the
   // chunk counts (the GEMM ops' rings across hosts, which lose where the link leaves little to hide, and
-  // with as many GEMM threads as cores, bench/README.md; ring_attention's unmasked ring, one chunk, against
+  // with more GEMM threads than cores, bench/README.md; ring_attention's unmasked ring, one chunk, against
   // gathering K/V).
   bool plain_too = false;
 };

@@ -18,12 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("fused", "fused_again", "unfused", "unfused_again", "compute", "comm", "both")
 
 
-def run_bench(tmp: Path, tag: str, families: str, shapes: str, blocks: int) -> dict:
+def run_bench(tmp: Path, tag: str, families: str, shapes: str, blocks: int, extra: tuple[str, ...] = ()) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
             str(ROOT / "bench" / "fused_ops.py"), "--families", families, "--shapes", shapes,
             "--time", "0.01", "--min-iters", "2", "--max-iters", "2", "--blocks", str(blocks), "--machine-cpu",
-            "--out-dir", str(tmp), "--tag", tag]
+            "--out-dir", str(tmp), "--tag", tag, *extra]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "unwaited collective" not in proc.stderr, proc.stderr[-3000:]
@@ -32,13 +32,19 @@ def run_bench(tmp: Path, tag: str, families: str, shapes: str, blocks: int) -> d
     return json.loads((tmp / f"fused-{tag}.json").read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize("families,shapes,ops,blocks", [
+@pytest.mark.parametrize("families,shapes,ops,blocks,pin", [
     ("gemm,attention,train", "32x16x24,1x4x2x16x8",
-     {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "ring_attention"}, 1),
-    ("moe", "64x16x24x2x2", {"moe_dispatch_gemm", "moe_combine"}, 2),
-], ids=["gemm-attention-train", "moe-2-blocks"])
-def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[str], blocks: int) -> None:
-    doc = run_bench(tmp_path, families.replace(",", "-"), families, shapes, blocks)
+     {"allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "ring_attention"}, 1, False),
+    ("moe", "64x16x24x2x2", {"moe_dispatch_gemm", "moe_combine"}, 2, True),
+], ids=["gemm-attention-train", "moe-2-blocks-pinned"])
+def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[str], blocks: int, pin: bool) -> None:
+    """(--pin: each rank runs on one CPU, rank r on the r-th of those this process may use, modulo their
+    count; the JSON records every rank's CPUs)"""
+    doc = run_bench(tmp_path, families.replace(",", "-"), families, shapes, blocks, ("--pin",) if pin else ())
+    mine = sorted(os.sched_getaffinity(0))
+    want = [[mine[r % len(mine)]] for r in range(2)] if pin else [mine, mine]
+    assert doc["meta"]["cpus_by_rank"] == want, doc["meta"]
+    assert ("pinned" in doc["meta"]["hosts_desc"]) == pin, doc["meta"]
     rows = doc["results"]
     assert {r["family"] for r in rows} == set(families.split(",")), rows
     assert {r["op"] for r in rows} == ops, rows
