@@ -2,8 +2,10 @@
 
 Each computes chunk i of the product while chunk i-1 communicates (csrc/kernels/pipeline.h). Inputs are
 float32, bfloat16 or float16 (fp32 accumulation); ``chunks=0`` picks the chunk count from the shape and the
-measured link and compute speed, a positive value overrides it. Every rank must call with matching shapes
-and dtypes; a mismatch raises on every rank.
+measured link and compute speed, then tunes it on the first calls of each shape (between hosts on mk also
+against the plain path: one collective, then one GEMM, as the unfused composition runs; rank 0's choice
+holds on every rank); a positive value overrides it. Every rank must call with matching shapes and dtypes;
+a mismatch raises on every rank.
 """
 from __future__ import annotations
 
