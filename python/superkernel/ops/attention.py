@@ -10,7 +10,7 @@ Each rank of a group of R holds ``s`` positions of a sequence of ``R*s``:
 Keys and values travel around the ring of ranks while each rank computes its queries against the block it
 holds (the transfer of the next block overlaps the current block's compute); partial results are merged
 with the log-sum-exp rule in fp32. Where the ring does not pay, K/V is gathered instead and one attention
-call covers the whole sequence: on one host without a mask (shared memory copies would use the cores the
+call covers the whole sequence: on mk on one host without a mask (shared memory copies would use the cores the
 attention needs), between hosts for blocks under ``SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ`` positions (256),
 for blocks small enough to ride in the argument agreement, and, without a mask, where the chunk tuner finds
 the gather faster on the first calls of a shape (rank 0's choice holds on every rank; setting the variable
