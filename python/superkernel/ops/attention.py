@@ -10,11 +10,11 @@ Each rank of a group of R holds ``s`` positions of a sequence of ``R*s``:
 Keys and values travel around the ring of ranks while each rank computes its queries against the block it
 holds (the transfer of the next block overlaps the current block's compute); partial results are merged
 with the log-sum-exp rule in fp32. Where the ring does not pay, K/V is gathered instead and one attention
-call covers the whole sequence: on mk on one host without a mask (shared memory copies would use the cores the
-attention needs), between hosts for blocks under ``SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ`` positions (256),
-for blocks small enough to ride in the argument agreement, and, without a mask, where the chunk tuner finds
-the gather faster on the first calls of a shape (rank 0's choice holds on every rank; setting the variable
-forces the ring above it). Returns ``out`` [b, hq, s, d] (the input dtype) and the log-sum-exp
+call covers the whole sequence: blocks small enough to ride in the argument agreement, and on mk on one host
+without a mask (shared memory copies would use the cores the attention needs); on mk between hosts, blocks
+under ``SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ`` positions (256) and, without a mask, wherever the chunk
+tuner finds the gather faster on the first calls of a shape (rank 0's choice holds on every rank; setting
+the variable forces the ring above it). Returns ``out`` [b, hq, s, d] (the input dtype) and the log-sum-exp
 [b, hq, s] (fp32) of each query's scaled scores over all the keys it attends to. Grouped-query attention:
 ``hq`` must be a multiple of ``hkv`` (query head ``i`` uses key/value head ``i // (hq // hkv)``).
 """
