@@ -543,6 +543,13 @@ PYBIND11_MODULE(_C, m) {
       "How many timings the tuner keeps per candidate after the calls tuner_pick takes (bounded however many).");
 
   m.def(
+      "descriptor_version_problem",
+      [](int64_t word, int peer) { return mk::kernels::descriptor_version_problem(word, peer); },
+      py::arg("word"), py::arg("peer"),
+      "What this rank would report of rank `peer`'s argument descriptor starting with `word` (empty: this "
+      "build's version); kernels/group.h.");
+
+  m.def(
       "tuner_limits",
       [](size_t candidates) {
         using mk::kernels::Tuner;

@@ -71,7 +71,9 @@ std::string value_text(const char* field, int64_t v) {
 // where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers', the
 // bytes of carried data that follow the descriptor in this message, an unused word (0), whether it carries
 // (1: its messages hold its data, possibly 0 bytes of it), then the fields.
-constexpr int64_t kMagic = 0x6d6b616772656535;  // "mkagree5"
+// (bumped whenever what a descriptor's words mean changes: see descriptor_version_problem; 6: chunk
+// proposals may be kPlainPath, -1, and ring_attention's tuned path is 1 ring / -1 gather, where 2 / 1 was)
+constexpr int64_t kMagic = 0x6d6b616772656536;  // "mkagree6"
 constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
 constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13;
 constexpr size_t kCarries = 15, kHead = 16;
@@ -472,7 +474,7 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   // Same op and call number everywhere, before anything is read as this op's fields.
   for (int r = 0; r < R; ++r) {
     const int64_t* d = row(r);
-    TORCH_CHECK(d[0] == kMagic, "mk ", op, ": rank ", g.rank, ": rank ", r, " sent a malformed argument descriptor");
+    if (d[0] != kMagic) TORCH_CHECK(false, "mk ", op, ": rank ", g.rank, ": ", descriptor_version_problem(d[0], r));
     const bool same_call = std::memcmp(d + kName, &mine[kName], kNameBytes) == 0 && d[kSeq] == int64_t(seq) &&
                            d[kCount] == int64_t(fields.size());
     TORCH_CHECK(same_call, "mk ", op, ": the ranks are at different fused-op calls on this group: rank ", g.rank,
@@ -519,6 +521,16 @@ std::shared_ptr<AgreementBoard> new_agreement_board(const Group& g) {
   } catch (const Error&) {
     return nullptr;  // the agreement stays a collective of the backend
   }
+}
+
+std::string descriptor_version_problem(int64_t word, int peer) {
+  if (word == kMagic) return {};
+  constexpr int64_t kPrefix = kMagic >> 8;  // "mkagree"
+  const char theirs = char(word & 0xff), ours = char(kMagic & 0xff);
+  if ((word >> 8) == kPrefix && theirs >= '0' && theirs <= '9')
+    return c10::str("rank ", peer, " runs a superkernel build whose argument descriptors are version ", theirs,
+                    ", this rank's are version ", ours, "; every rank of a job must run the same build");
+  return c10::str("rank ", peer, " sent a malformed argument descriptor");
 }
 
 }  // namespace mk::kernels

@@ -129,6 +129,12 @@ class Agreement {
 // when the segment cannot be created: the agreement then keeps its usual exchange).
 std::shared_ptr<AgreementBoard> new_agreement_board(const Group& g);
 
+// What is wrong with the first word of rank `peer`'s argument descriptor, as this rank's error (empty: it is
+// this build's). The word is "mkagree" and a version character: a build whose descriptors mean something else
+// (a field's values read differently, e.g. a chunk proposal) has another version, so a job whose ranks run
+// different builds fails on its first fused op instead of the ranks taking different paths and timing out.
+std::string descriptor_version_problem(int64_t word, int peer);
+
 // A dtype as a small integer for descriptors, and back to its name for messages.
 int64_t dtype_code(at::ScalarType t);
 

@@ -99,3 +99,19 @@ def test_destroyed_groups_release_their_boards(backend: str) -> None:
         threads = rep["threads"]
         assert max(threads) <= rep["threads_before"] + (1 if backend == "mk" else 0), (
             f"rank {res.rank}: threads per round {threads}; now {rep['thread_names']}")
+
+
+def test_descriptor_version_problem() -> None:
+    """A peer's descriptor that starts with this build's word is accepted; "mkagree" with another version digit
+    (a build whose descriptors mean something else) names both versions and asks for one build; any other
+    word is a malformed descriptor."""
+    from superkernel import _C
+
+    ours = int.from_bytes(b"mkagree6", "big")
+    assert _C.descriptor_version_problem(ours, 3) == ""
+    older = _C.descriptor_version_problem(int.from_bytes(b"mkagree5", "big"), 3)
+    assert older == ("rank 3 runs a superkernel build whose argument descriptors are version 5, this rank's are "
+                     "version 6; every rank of a job must run the same build"), older
+    assert _C.descriptor_version_problem(0, 1) == "rank 1 sent a malformed argument descriptor"
+    assert _C.descriptor_version_problem(int.from_bytes(b"mkagreeX", "big"), 1) == \
+        "rank 1 sent a malformed argument descriptor"
