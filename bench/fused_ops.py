@@ -52,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from fused_registry import REGISTRY, Context  # noqa: E402
+from speedup_interval import paired_ratio_interval  # noqa: E402
 
 
 def load_case_modules() -> list[str]:
@@ -234,6 +235,8 @@ def format_table(doc: dict[str, Any]) -> str:
         cpu = ("; machine CPU ms per call: " + ", ".join(f"{k} {r[k + '_cpu'] * 1e3:.1f}" for k in
                                                          ("fused", "unfused", "compute", "comm", "both"))
                if "fused_cpu" in r else "")
+        if "speedup_ci95" in r:
+            aa += f", speedup 95% CI {r['speedup_ci95'][0]:.2f}-{r['speedup_ci95'][1]:.2f}"
         by_block = r.get("fused_ideal_by_block", [])
         if len(by_block) > 1:
             aa += f", fused/ideal by block {min(by_block):.2f}-{max(by_block):.2f}"
@@ -245,6 +248,11 @@ def format_table(doc: dict[str, Any]) -> str:
     if aas:
         lines.append(f"# A/A = unfused / the same unfused composition in a second slot of every round (and fused / "
                      f"fused again): {min(aas):.2f}-{max(aas):.2f} over these rows, this run's noise for a speedup")
+    if any("speedup_ci95" in r for r in doc["results"]):
+        slower = [f"{r['op']} {r['shape']}" for r in doc["results"]
+                  if "speedup_ci95" in r and r["speedup_ci95"][1] < 1]
+        lines.append("# speedup 95% CI: paired bootstrap over the rounds (bench/speedup_interval.py); slower than "
+                     f"unfused beyond noise (CI below 1): {', '.join(slower) or 'none'}")
     return "\n".join(lines)
 
 
@@ -358,6 +366,8 @@ def main() -> int:
             row.update({k: v for k, v in secs.items() if k.endswith(("_faults", "_cpu"))})
             row["iters"] = len(samples["fused"])
             row["iters_bounds"] = len(samples["compute"])
+            # (the pair pass's rounds, in the same order for every variant: fused[i] and unfused[i] shared round i)
+            row["speedup_ci95"] = list(paired_ratio_interval(samples["unfused"], samples["fused"]))
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
             row["fused_ideal_by_block"] = per_block
             results.append(row)

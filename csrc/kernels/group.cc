@@ -474,7 +474,7 @@ std::vector<std::vector<int64_t>> Agreement::State::check() {
   // Same op and call number everywhere, before anything is read as this op's fields.
   for (int r = 0; r < R; ++r) {
     const int64_t* d = row(r);
-    if (d[0] != kMagic) TORCH_CHECK(false, "mk ", op, ": rank ", g.rank, ": ", descriptor_version_problem(d[0], r));
+    TORCH_CHECK(d[0] == kMagic, "mk ", op, ": rank ", g.rank, ": ", descriptor_version_problem(d[0], r));
     const bool same_call = std::memcmp(d + kName, &mine[kName], kNameBytes) == 0 && d[kSeq] == int64_t(seq) &&
                            d[kCount] == int64_t(fields.size());
     TORCH_CHECK(same_call, "mk ", op, ": the ranks are at different fused-op calls on this group: rank ", g.rank,
