@@ -35,7 +35,10 @@ def report_of(text: str, rank: int) -> dict:
 def test_fused_ops_under_mpirun(tmp_path: Path, suite: str, args: list[str], ops: tuple[str, ...],
                                 transport: str) -> None:
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    # (no torchrun variables, or mpi_launch.py would take them for a torchrun launch; and the ranks load the
+    # backend whatever this process set for kernels, as tests/transport/world.py's ranks do)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_")) and k != "SUPERKERNEL_FRONTEND"}
     argv = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "--output-filename", str(out),
             "-x", f"SUPERKERNEL_TRANSPORT={transport}", "-x", "SUPERKERNEL_OPS_TRACE=1", "-x", "OMP_NUM_THREADS=1",
             sys.executable, str(HERE / "mpi_launch.py"), str(HERE / suite), *args]
