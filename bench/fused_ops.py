@@ -22,7 +22,9 @@ interleaved, one call each per round, in a new random order every round; with --
 alternate in N blocks (the detail then gives fused/ideal per block: how far the machine drifted); each call
 starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides) and the table
 shows the median over the rounds. The detail gives A/A for both: unfused / unfused again and fused / fused
-again (the noise a speedup must exceed). Each row's detail also gives the median minor page faults per
+again (the noise a speedup must exceed), and the speedup's 95% interval (a paired bootstrap over the first
+pass's rounds, bench/speedup_interval.py); a closing line names the rows whose interval lies below 1, slower
+than unfused beyond the run's noise. Each row's detail also gives the median minor page faults per
 call of the fused and unfused variants (the maximum over ranks; whole process). Results go to
 bench/results/fused-<tag>.json and .png.
 
