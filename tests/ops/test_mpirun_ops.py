@@ -4,7 +4,6 @@ The rank suites of tests/ops/test_gemm_ops.py, test_moe.py and test_ring_attenti
 references (attention also against SDPA), with the cross-rank mismatch errors."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.ops.ops_world import HERE
+from tests.transport.world import RankResult
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
 
@@ -21,13 +21,6 @@ pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI
 SUITES = [("gemm_suite.py", ["--errors"], ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter")),
           ("moe_suite.py", [], ("moe_dispatch_gemm", "moe_combine")),
           ("attention_suite.py", [], ("ring_attention",))]
-
-
-def report_of(text: str, rank: int) -> dict:
-    for line in reversed(text.splitlines()):
-        if line.startswith("REPORT "):
-            return json.loads(line[len("REPORT "):])
-    raise AssertionError(f"rank {rank} printed no report:\n{text[-3000:]}")
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
@@ -48,7 +41,7 @@ def test_fused_ops_under_mpirun(tmp_path: Path, suite: str, args: list[str], ops
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:],
                                   {r: e[-2000:] for r, (_, e) in logs.items()})
     assert sorted(logs) == [0, 1], sorted(logs)
-    reps = [report_of(logs[r][0], r) for r in (0, 1)]
+    reps = [RankResult(r, proc.returncode, *logs[r]).report() for r in (0, 1)]
     for rep in reps:
         assert rep["rank"] in (0, 1), rep
         failed = {family: problems[:5] for family, problems in rep["failures"].items() if problems}
