@@ -274,6 +274,7 @@ class GemmAgreement {
                               {"dtype", dtype_code(a.scalar_type())}};
     fields.insert(fields.end(), extra.begin(), extra.end());
     fields.push_back({"SUPERKERNEL_OPS_IN_PLACE", int64_t(p.in_place_allowed()), true});
+    for (const Field& f : p.tuner_fields()) fields.push_back(f);
     fields.push_back({"chunks", proposal_, false});
     if (Pipeline::tracing())  // (only for the trace line: formatting them took ~2.5 us per call)
       for (const auto& f : extra) extra_ += c10::str(" ", f.name, "=", f.value);
@@ -309,7 +310,7 @@ class GemmAgreement {
     all_ = agreement_->result();
     const int64_t C = all_[0].back();
     // (a carried call has no chunks: its time says nothing about the chunk count the tuner proposed)
-    p_.use_chunks(carried() ? 0 : C);
+    p_.use_chunks(carried() ? 0 : C, all_, all_[0].size() - 3);
     p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", chunks_name(C), " (proposed ",
              chunks_name(proposal_),
              requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,

@@ -447,6 +447,7 @@ double median_of(std::vector<double> v) {
 }  // namespace
 
 void Tuner::start(std::vector<int64_t> cands) {
+  last = {};
   candidates = std::move(cands);
   calls.assign(candidates.size(), 0);
   seconds.assign(candidates.size(), {});
@@ -462,16 +463,38 @@ bool Tuner::first_round_done() const {
 
 size_t Tuner::wanted(size_t i) const {
   const size_t goal = dropped_.empty() ? kTrials : dropped_[i] ? 0 : kFinalTrials;
-  return seconds[i].size() < goal ? goal - seconds[i].size() : 0;
+  // (`last`, when of this candidate and not its first call, is a timing on its way)
+  const size_t have = seconds[i].size() + (last.chunks == candidates[i] && calls[i] > 0 ? 1 : 0);
+  return have < goal ? goal - have : 0;
 }
 
 int64_t Tuner::next() const {
   if (candidates.empty()) return 1;
   if (choice_ != 0) return choice_;
+  auto made = [this](size_t i) { return calls[i] + (last.chunks == candidates[i] ? 1 : 0); };
   size_t pick = candidates.size();
   for (size_t i = 0; i < candidates.size(); ++i)
-    if (wanted(i) > 0 && (pick == candidates.size() || calls[i] < calls[pick])) pick = i;
-  return candidates[pick];
+    if (wanted(i) > 0 && (pick == candidates.size() || made(i) < made(pick))) pick = i;
+  // (none wanted: the last timing is still on its way; the leader so far)
+  return candidates[pick == candidates.size() ? lowest_median() : pick];
+}
+
+size_t Tuner::lowest_median() const {
+  auto fewer = [](int64_t x, int64_t y) {
+    const double fx = x == kPlainPath ? 0.5 : double(x), fy = y == kPlainPath ? 0.5 : double(y);
+    return fx < fy;
+  };
+  size_t best = candidates.size();
+  double best_median = std::numeric_limits<double>::infinity();
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    if (!dropped_.empty() && dropped_[c]) continue;
+    const double m = median_of(seconds[c]);
+    if (best == candidates.size() || m < best_median || (m == best_median && fewer(candidates[c], candidates[best]))) {
+      best = c;
+      best_median = m;
+    }
+  }
+  return best == candidates.size() ? 0 : best;
 }
 
 void Tuner::record(int64_t chunks, double secs) {
@@ -495,21 +518,8 @@ void Tuner::record(int64_t chunks, double secs) {
     if (wanted(c) > 0) return;
   // tuned: the lowest median of the candidates kept (ties: the fewer chunks; the plain path as one chunk,
   // before the overlapped one)
-  auto fewer = [](int64_t x, int64_t y) {
-    const double fx = x == kPlainPath ? 0.5 : double(x), fy = y == kPlainPath ? 0.5 : double(y);
-    return fx < fy;
-  };
-  size_t best = candidates.size();
-  double best_median = std::numeric_limits<double>::infinity();
-  for (size_t c = 0; c < candidates.size(); ++c) {
-    if (dropped_[c]) continue;
-    const double m = median_of(seconds[c]);
-    if (best == candidates.size() || m < best_median || (m == best_median && fewer(candidates[c], candidates[best]))) {
-      best = c;
-      best_median = m;
-    }
-  }
-  choice_ = candidates[best];
+  choice_ = candidates[lowest_median()];
+  last = {};
 }
 
 bool Pipeline::one_host() const {
@@ -526,20 +536,53 @@ bool Pipeline::over_tcp() const {
   return false;
 }
 
-void Pipeline::use_chunks(int64_t agreed) { chunks_used_ = agreed; }
+std::vector<Field> Pipeline::tuner_fields() const {
+  int64_t seq = -1, micros = -1;
+  if (tuner_) {
+    std::lock_guard<std::mutex> lock(states_mu());
+    if (tuner_->last.chunks != 0) {
+      seq = int64_t(tuner_->last.seq);
+      micros = tuner_->last.micros;
+    }
+  }
+  return {{"tuner: previous call", seq, false}, {"tuner: its microseconds", micros, false}};
+}
+
+void Pipeline::use_chunks(int64_t agreed, const std::vector<std::vector<int64_t>>& all, size_t tuner_at) {
+  chunks_used_ = agreed;
+  if (!tuner_) return;
+  std::lock_guard<std::mutex> lock(states_mu());
+  const Tuner::Last last = std::exchange(tuner_->last, {});
+  if (last.chunks == 0 || tuner_->done()) return;
+  // the slowest rank's time of that call, when every rank timed it (a rank whose count was not automatic, or
+  // whose call failed, sent -1: then this rank's own)
+  int64_t micros = last.micros;
+  bool every_rank = true;
+  for (const auto& r : all) {
+    TORCH_INTERNAL_ASSERT(tuner_at + 1 < r.size(), "mk ", op_, ": tuner fields at ", tuner_at, " of ", r.size());
+    if (r[tuner_at] != int64_t(last.seq)) every_rank = false;
+    micros = std::max(micros, r[tuner_at + 1]);
+  }
+  if (!every_rank) micros = last.micros;
+  tuner_->record(last.chunks, double(micros) * 1e-6);
+  if (!tracing()) return;
+  std::string line = c10::str("tuner: call ", last.seq, " chunks=", chunks_name(last.chunks), " took ",
+                              double(micros) * 1e-3, " ms on ", every_rank ? "the slowest rank" : "this rank");
+  if (tuner_->done()) line += c10::str("; tuned, using chunks=", chunks_name(tuner_->next()));
+  emit_trace(line);
+}
 
 std::string chunks_name(int64_t chunks) { return chunks == kPlainPath ? "plain" : std::to_string(chunks); }
 
 void Pipeline::record_timing() {
   if (!tuner_ || chunks_used_ == 0 || std::uncaught_exceptions() > 0) return;
-  const double secs = std::chrono::duration<double>(Clock::now() - started_).count();
+  const int64_t micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - started_).count();
   std::lock_guard<std::mutex> lock(states_mu());
-  const bool tuning = !tuner_->done();
-  tuner_->record(chunks_used_, secs);
-  if (!tuning || !tracing()) return;
-  std::string line = c10::str("tuner: chunks=", chunks_name(chunks_used_), " took ", secs * 1e3, " ms");
-  if (tuner_->done()) line += c10::str("; tuned, using chunks=", chunks_name(tuner_->next()));
-  emit_trace(line);
+  if (tuner_->done()) return;
+  // (recorded in the next call's agreement, as the slowest rank's time: see Tuner)
+  tuner_->last = {seq_, chunks_used_, micros};
+  if (tracing())
+    emit_trace(c10::str("tuner: chunks=", chunks_name(chunks_used_), " took ", double(micros) * 1e-3, " ms here"));
 }
 
 Pending Pipeline::send(const at::Tensor& t, int peer, uint32_t slot) { return p2p(t, peer, slot, false); }

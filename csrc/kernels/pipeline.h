@@ -20,9 +20,13 @@
 // Usage (an op in outline):
 //   Group g = resolve_group(group_name, a.device(), "my_op");
 //   Pipeline p(g, "my_op");
-//   auto all = p.agree({{"m", m}, {"k", k}, {"chunks", p.chunks(requested, model), false}}, local_error);
-//   int64_t chunks = all[0][2];            // every rank proceeded (or every rank threw); rank 0's proposal
-//   p.use_chunks(chunks);                  // lets automatic proposals learn from this call's duration
+//   const int64_t proposal = p.chunks(requested, model);
+//   std::vector<Field> fields{{"m", m}, {"k", k}};
+//   for (const Field& f : p.tuner_fields()) fields.push_back(f);
+//   fields.push_back({"chunks", proposal, false});
+//   auto all = p.agree(std::move(fields), local_error);
+//   int64_t chunks = all[0][4];            // every rank proceeded (or every rank threw); rank 0's proposal
+//   p.use_chunks(chunks, all, 2);          // lets automatic proposals learn from the calls' durations
 //   p.overlap(chunks, [&](int64_t i) { ...compute chunk i... },
 //                     [&](int64_t i) { return p.allreduce(c_i); },
 //                     [&](int64_t i) { ...chunk i's communication is complete... });
@@ -83,6 +87,12 @@ class Pending {
 // Gloo, fp16 allgather_gemm 512^3, 120 interleaved calls each, 1/2/4 chunks had fastest calls of
 // 6.07/5.93/6.32 ms and medians of 7.86/8.14/9.61 ms; the fastest of two calls picked 4 (the op's median 10.9
 // ms against 9.1 with 1 chunk in the benchmark).
+// A call's time is the slowest rank's: the one the caller of a collective op waits for, and the same on every
+// rank, so every rank's tuner decides alike. Each rank sends its own time of its last tuning call in the next
+// call's argument agreement (Pipeline::tuner_fields), where it is recorded as the largest of them; until then
+// that call counts as made but not timed. Rank 0's own times alone had picked paths the other rank paid for:
+// 2 namespace hosts at 1 Gbit/s, bf16 allgather_gemm 1024x128x1024, its tuning calls took 3.2-3.8 ms on
+// each rank while the same calls' slowest rank in the benchmark took 4.1-5.6 ms (bench/README.md).
 struct Tuner {
   static constexpr size_t kTrials = 3;       // timed calls per candidate before the slow ones are dropped
   static constexpr size_t kFinalTrials = 7;  // timed calls per remaining candidate before the choice
@@ -92,19 +102,28 @@ struct Tuner {
   std::vector<int64_t> candidates;
   std::vector<size_t> calls;                 // calls per candidate (its first, untimed, included)
   std::vector<std::vector<double>> seconds;  // the timed calls per candidate
+  // This rank's last call while tuning, not yet recorded (chunks 0: none): its call number on the group, the
+  // candidate it ran and its duration on this rank.
+  struct Last {
+    uint64_t seq = 0;
+    int64_t chunks = 0;
+    int64_t micros = 0;
+  };
+  Last last;
   void start(std::vector<int64_t> cands);
   bool done() const { return choice_ != 0; }
-  // The candidate to use next: while tuning, the one still to be timed with the fewest calls (the first on
-  // ties, so in turn), then the one with the lowest median (equal medians: the fewer chunks, kPlainPath
-  // counting as one and going before the overlapped path's one chunk).
+  // The candidate to use next: while tuning, the one still to be timed with the fewest calls (`last` counted
+  // as made; the first on ties, so in turn), then the one with the lowest median (equal medians: the fewer
+  // chunks, kPlainPath counting as one and going before the overlapped path's one chunk).
   int64_t next() const;
   void record(int64_t chunks, double secs);
-  // The most calls tuning `n` candidates takes.
-  static size_t most_calls(size_t n) { return n * (1 + kFinalTrials); }
+  // The most calls tuning `n` candidates takes (the last one's time is recorded in the call after it).
+  static size_t most_calls(size_t n) { return n * (1 + kFinalTrials) + 1; }
 
  private:
   bool first_round_done() const;
   size_t wanted(size_t i) const;  // timed calls candidate i still needs
+  size_t lowest_median() const;   // the candidate kept: lowest median of those not dropped (ties: fewer chunks)
   // Decided once, in record(), so that calls after tuning (next() on every op call) do no work:
   std::vector<bool> dropped_;  // per candidate, once the first round is done (empty before)
   int64_t choice_ = 0;         // the candidate kept, once tuning is done (0 before; kPlainPath is -1)
@@ -165,10 +184,16 @@ class Pipeline {
   // rank 0's value (all[0][i]) — that makes the count the same on every rank. With model.plain_too an
   // automatic proposal may be kPlainPath (the op's plain path; see ChunkModel).
   int64_t chunks(int64_t requested, const ChunkModel& model);
-  // Tell the pipeline the chunk count every rank agreed on (rank 0's proposal, kPlainPath included; 0: none):
-  // with an automatic proposal, the call's duration (recorded when the Pipeline is destroyed without an
-  // exception) tunes later proposals.
-  void use_chunks(int64_t agreed);
+  // After chunks(), for the argument agreement, just before the chunk count: this rank's last tuning call of
+  // this tuner not yet recorded (its call number, or -1) and its duration in microseconds (see Tuner: the
+  // slowest rank's time is recorded). Every op that calls chunks() passes them on every rank (-1 when the
+  // count was not automatic), so the agreement's layout does not depend on the tuner's state.
+  std::vector<Field> tuner_fields() const;
+  // Tell the pipeline the chunk count every rank agreed on (rank 0's proposal, kPlainPath included; 0: none,
+  // e.g. a call that carried its data), with the agreement's result and where tuner_fields() are in it: the
+  // previous tuning call is recorded as the slowest rank's time (its own when the ranks timed different
+  // calls), and this call's duration (when the Pipeline is destroyed without an exception) waits for the next.
+  void use_chunks(int64_t agreed, const std::vector<std::vector<int64_t>>& all, size_t tuner_at);
 
   // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.
   // On mk: straight to the transport, completed by its progress threads (rings: post every recv up front).

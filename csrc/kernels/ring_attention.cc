@@ -193,18 +193,20 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     carried.bytes = size_t(mine.nbytes());
     carried.data = [&mine](int) { return mine.data_ptr(); };
   }
-  Agreement agreement = p.start_agree({{"batch", dim(q, 0)}, {"query heads", dim(q, 1)}, {"kv heads", dim(k, 1)},
-                                       {"local sequence", dim(q, 2)}, {"head_dim", dim(q, 3)},
-                                       {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
-                                       {"scale (bits of the double)", sc_bits},
-                                       {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", ok ? ring_min : -1},
-                                       {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ set", int64_t(ring_min_set)},
-                                       {"path (tuned)", path_proposal, false}},
-                                      local_problem, std::move(carried));
+  std::vector<Field> fields{{"batch", dim(q, 0)}, {"query heads", dim(q, 1)}, {"kv heads", dim(k, 1)},
+                            {"local sequence", dim(q, 2)}, {"head_dim", dim(q, 3)},
+                            {"dtype", dtype_code(q.scalar_type())}, {"causal", causal}, {"zigzag", zigzag},
+                            {"scale (bits of the double)", sc_bits},
+                            {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ", ok ? ring_min : -1},
+                            {"SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ set", int64_t(ring_min_set)}};
+  for (const Field& f : p.tuner_fields()) fields.push_back(f);
+  fields.push_back({"path (tuned)", path_proposal, false});
+  Agreement agreement = p.start_agree(std::move(fields), local_problem, std::move(carried));
   const std::vector<std::vector<int64_t>> agreed = agreement.result();
   const bool have_all = agreement.carried();
   const bool tuned_gather = tune_path && !have_all && agreed[0].back() == kPlainPath;  // rank 0's proposal
-  if (tune_path && !have_all) p.use_chunks(agreed[0].back());
+  // (a call whose K/V came with the agreement ran neither path: its time tunes nothing)
+  if (tune_path) p.use_chunks(have_all ? 0 : agreed[0].back(), agreed, agreed[0].size() - 3);
   // Rank src's packed K/V when it came with the agreement (this rank's own: `mine`).
   auto carried_block = [&](int src) {
     if (src == me) return mine;

@@ -64,6 +64,48 @@ def without_rule_changes(stderr: str) -> str:
                   flags=re.DOTALL)
 
 
+_OWN_TIME = re.compile(r"^\[mk (\w+) rank (\d+) call (\d+)\] tuner: chunks=(-?\d+|plain) took ([\d.e+-]+) ms here$",
+                       re.MULTILINE)
+_RECORDED = re.compile(r"^\[mk (\w+) rank (\d+) call (\d+)\] tuner: call (\d+) chunks=(-?\d+|plain) took ([\d.e+-]+) ms "
+                       r"on (the slowest rank|this rank)(?:; tuned, using chunks=(-?\d+|plain))?$", re.MULTILINE)
+
+
+def tuner_records(results: list[RankResult]) -> list[str]:
+    """What is wrong with the chunk tuner's records in the ranks' traces (SUPERKERNEL_OPS_TRACE): every call
+    timed while tuning (its own time on each rank, "took X ms here") must be recorded on every rank, in the
+    next call of the op, as the same time, the largest of the ranks' own ("on the slowest rank"), and every
+    rank's tuner must finish with the same choice. [] when all is well; raises when nothing was tuned."""
+    own: dict[tuple[str, int, str], dict[int, float]] = {}
+    recorded: dict[tuple[str, int, str], dict[int, float]] = {}
+    chosen: dict[tuple[str, int], dict[int, str]] = {}  # (op, the call that ended tuning): choice per rank
+    for res in results:
+        for op, rank, call, chunks, ms in _OWN_TIME.findall(res.stderr):
+            own.setdefault((op, int(call), chunks), {})[int(rank)] = float(ms)
+        for op, rank, now, call, chunks, ms, whose, choice in _RECORDED.findall(res.stderr):
+            recorded.setdefault((op, int(call), chunks), {})[int(rank)] = float(ms) if whose == "the slowest rank" else -1
+            if choice:
+                chosen.setdefault((op, int(now)), {})[int(rank)] = choice
+    assert own, "no tuning calls traced"
+    ranks = set(range(len(results)))
+    problems = []
+    for key, times in sorted(own.items()):
+        got = recorded.get(key, {})
+        if set(times) != ranks:
+            problems.append(f"{key}: timed on ranks {sorted(times)} only")
+        elif set(got) != ranks:
+            problems.append(f"{key}: recorded on ranks {sorted(got)} of {sorted(ranks)} (own times {times})")
+        elif any(abs(v - max(times.values())) > 1e-3 for v in got.values()):
+            problems.append(f"{key}: recorded {got}, not the slowest rank's of {times}")
+    for key in set(recorded) - set(own):
+        problems.append(f"{key}: recorded {recorded[key]} but never timed")
+    if not chosen:
+        problems.append("no tuner finished")
+    for key, per_rank in chosen.items():
+        if set(per_rank) != ranks or len(set(per_rank.values())) != 1:
+            problems.append(f"{key}: the ranks' tuners chose {per_rank}")
+    return problems
+
+
 GLOO_GEMM_CARRY_BYTES = 256 << 10  # kCarryMaxOther: gemm_allreduce's and gemm_reducescatter's limit on other backends
 GLOO_GATHER_CARRY_BYTES = 4 << 20  # kCarryMaxGather: allgather_gemm's there
 GLOO_PAIR_CARRY_BYTES = 512 << 10  # kPairCarryBytes: gemm_allreduce's and gemm_reducescatter's there on two ranks

@@ -17,7 +17,7 @@ PLAIN = LIMITS["plain_path"]
 
 def test_limits_are_what_the_tests_below_assume() -> None:
     assert 2 <= TRIALS < FINAL and DROP > 1.0
-    assert LIMITS["most_calls"] == 4 * (1 + FINAL)
+    assert LIMITS["most_calls"] == 4 * (1 + FINAL) + 1  # (the last timing is recorded in the call after it)
 
 
 def test_candidates_in_turn_and_first_calls_untimed() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from superkernel import _C
 from tests.ops.ops_world import (CARRY_BYTES, HERE, MK_WORLDS, RING_ON_SMALL_SHAPES,
-                                 WorldCache, failures_of, gemm_paths)
+                                 WorldCache, failures_of, gemm_paths, tuner_records)
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo")]
 OPS = ["allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "empty", "grad"]
@@ -314,7 +314,8 @@ def test_rings_tuned_against_the_plain_path() -> None:
     plain path (one GEMM and mk's collective) beside the ring's chunk counts: while tuning both run, every rank
     takes the same path on every call (rank 0's proposal), tuning ends within its bound and then one path
     stays; every result matches the float64 reference, and allgather_gemm's and gemm_allreduce's are the same
-    bytes on both ranks."""
+    bytes on both ranks. Each tuning call is recorded on both ranks as the slower rank's time, so both tuners
+    choose alike."""
     calls = 1 + _C.tuner_limits()["most_calls"] + 6
     results = _ring_rule.results(2, "tcp", ["--tune-plain", str(calls)])
     trace = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(?:96|128) "
@@ -330,6 +331,8 @@ def test_rings_tuned_against_the_plain_path() -> None:
         for op, rank, m, took, want, per_peer in gemm_paths(res.stderr, 2, over_tcp=True, min_rows=64):
             assert took == want, f"rank {rank}: {op} m={m}: {took}, not {want}"
     assert per_rank[0] == per_rank[1], "the ranks took different paths"
+    problems = tuner_records(results)
+    assert not problems, "\n".join(problems[:20])
     for key, paths in per_rank[0].items():
         tuning = set(paths[: calls - 6])
         assert "plain" in tuning and tuning - {"plain"}, f"{key}: {paths}"

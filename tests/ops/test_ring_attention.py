@@ -12,7 +12,7 @@ import pytest
 
 from superkernel import _C
 
-from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of, without_rule_changes
+from tests.ops.ops_world import MK_WORLDS, WorldCache, failures_of, tuner_records, without_rule_changes
 
 WORLDS = MK_WORLDS + [(2, "gloo"), (3, "gloo"), (4, "gloo")]
 FAMILIES = ["attention", "grad", "errors", "opcheck"]
@@ -109,7 +109,8 @@ def test_unmasked_path_tuned_between_hosts() -> None:
     """Across hosts (tcp), with the default ring threshold and carrying off, an unmasked call at the threshold
     (256 positions per rank) takes the ring or the gather as the chunk tuner finds faster: while tuning both
     run, every rank takes the same path on every call (rank 0's proposal), tuning ends within its bound and
-    then one path stays; every result matches float64 SDPA."""
+    then one path stays, each tuning call recorded on both ranks as the slower rank's time; every result
+    matches float64 SDPA."""
     calls = 1 + _C.tuner_limits(2)["most_calls"] + 6
     results = _short.results(2, "tcp", ["--tune-path", str(calls)])
     per_rank = []
@@ -121,6 +122,8 @@ def test_unmasked_path_tuned_between_hosts() -> None:
     paths = per_rank[0]
     assert set(paths[: calls - 6]) == {"ring", "tuned gather"}, paths
     assert len(set(paths[-6:])) == 1, f"still switching after tuning: {paths[-6:]}"
+    problems = tuner_records(results)
+    assert not problems, "\n".join(problems[:20])
     reps = [r.report() for r in results]
     problems = failures_of(reps, "attention")
     assert not problems, "\n".join(problems[:20])
