@@ -614,6 +614,11 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     }
   };
   if (m == 0) return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  if (R == 1) {  // the shard is all there is: multiplied where it is (a copy of it only when asked for)
+    prod->into(c, a);
+    if (return_gathered) gathered.copy_(a);
+    return {c, return_gathered ? gathered : a.new_empty({0, k})};
+  }
   if (ga.carried()) {  // every shard came with the agreement: multiplied as after an allgather
     gathered_buffer();
     for (int q = 0; q < R; ++q) {
