@@ -6,6 +6,10 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
 #include "kernels/eager_call.h"
 #include "kernels/pipeline.h"
 #include "store_worker.h"
@@ -541,6 +545,33 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("candidates"), py::arg("seconds"),
       "How many timings the tuner keeps per candidate after the calls tuner_pick takes (bounded however many).");
+
+  m.def(
+      "tuner_calls",
+      [](const std::vector<int64_t>& candidates, const std::vector<double>& seconds, size_t calls) {
+        TORCH_CHECK(!candidates.empty() && seconds.size() == candidates.size(),
+                    "tuner_calls: one duration per candidate");
+        mk::kernels::Tuner t;
+        t.start(candidates);
+        std::vector<int64_t> proposed;
+        for (size_t i = 0; i < calls; ++i) {
+          // as an op call does: propose (Pipeline::chunks), record the previous call in the agreement
+          // (Pipeline::use_chunks), run, keep this call's time for the next (Pipeline::record_timing)
+          const int64_t c = t.next();
+          proposed.push_back(c);
+          const mk::kernels::Tuner::Last last = std::exchange(t.last, {});
+          if (last.chunks != 0 && !t.done()) t.record(last.chunks, double(last.micros) * 1e-6);
+          if (t.done()) continue;
+          const size_t j = size_t(std::find(candidates.begin(), candidates.end(), c) - candidates.begin());
+          TORCH_CHECK(j < candidates.size(), "tuner_calls: proposed ", c, ", not a candidate");
+          t.last = {uint64_t(i), c, int64_t(std::llround(seconds[j] * 1e6))};
+        }
+        return std::make_pair(proposed, t.done());
+      },
+      py::arg("candidates"), py::arg("seconds"), py::arg("calls"),
+      "(proposals, tuned): the chunk counts the tuner proposes over `calls` op calls whose durations are "
+      "`seconds` per candidate, each recorded in the call after it, as Pipeline records the slowest rank's "
+      "time (kernels/pipeline.h, Tuner), and whether tuning is over.");
 
   m.def(
       "descriptor_version_problem",

@@ -92,7 +92,8 @@ class Pending {
 // call's argument agreement (Pipeline::tuner_fields), where it is recorded as the largest of them; until then
 // that call counts as made but not timed. Rank 0's own times alone had picked paths the other rank paid for:
 // 2 namespace hosts at 1 Gbit/s, bf16 allgather_gemm 1024x128x1024, its tuning calls took 3.2-3.8 ms on
-// each rank while the same calls' slowest rank in the benchmark took 4.1-5.6 ms (bench/README.md).
+// each rank, while the op's slowest rank took 5.6 ms a call in the benchmark and 4.1-5.4 ms in a probe
+// (bench/README.md, "The tuner times the slowest rank").
 struct Tuner {
   static constexpr size_t kTrials = 3;       // timed calls per candidate before the slow ones are dropped
   static constexpr size_t kFinalTrials = 7;  // timed calls per remaining candidate before the choice

@@ -129,6 +129,26 @@ def test_a_rank_following_another_ranks_choice_keeps_few_timings() -> None:
     assert _C.tuner_kept(cands, [[5e-3] * 1000, [5e-3] * 1000, [5e-3] * 1000]) == [FINAL] * 3
 
 
+def test_records_one_call_late_keep_candidates_in_turn() -> None:
+    """In an op a call's time (its slowest rank's) is recorded in the next call's agreement, after that call's
+    proposal was made: the call on its way counts as made, so the candidates are still proposed in turn (not
+    each twice), tuning ends after exactly most_calls calls of equal times, and the faster candidate wins."""
+    cands = [2, 1, 4, 8]
+    most = LIMITS["most_calls"]
+    proposed, tuned = _C.tuner_calls(cands, [5e-3] * 4, most - 1)
+    assert not tuned
+    assert proposed[:8] == cands * 2, proposed
+    proposed, tuned = _C.tuner_calls(cands, [5e-3] * 4, most + 3)
+    assert tuned and len(set(proposed[most:])) == 1, proposed
+    proposed, tuned = _C.tuner_calls(cands, [5e-3, 5.5e-3, 5.5e-3, 5e-3 * DROP * 1.1], most)
+    assert tuned and proposed[-1] in cands, proposed
+    assert 8 not in proposed[4 * (1 + TRIALS):], f"the dropped candidate was still proposed: {proposed}"
+    proposed, tuned = _C.tuner_calls(cands, [5e-3, 5.5e-3, 5.5e-3, 5e-3 * DROP * 1.1], most + 2)
+    assert proposed[-1] == 2, proposed
+
+
 def test_rejects_mismatched_timings() -> None:
     with pytest.raises(RuntimeError, match="one list of timings per candidate"):
         _C.tuner_pick([1, 2], [[1.0]])
+    with pytest.raises(RuntimeError, match="one duration per candidate"):
+        _C.tuner_calls([1, 2], [1.0], 3)
