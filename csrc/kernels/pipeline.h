@@ -91,9 +91,9 @@ class Pending {
 // rank, so every rank's tuner decides alike. Each rank sends its own time of its last tuning call in the next
 // call's argument agreement (Pipeline::tuner_fields), where it is recorded as the largest of them; until then
 // that call counts as made but not timed. Rank 0's own times alone had picked paths the other rank paid for:
-// 2 namespace hosts at 1 Gbit/s, bf16 allgather_gemm 1024x128x1024, its tuning calls took 3.2-3.8 ms on
-// each rank, while the op's slowest rank took 5.6 ms a call in the benchmark and 4.1-5.4 ms in a probe
-// (bench/README.md, "The tuner times the slowest rank").
+// 2 namespace hosts at 1 Gbit/s, bf16 allgather_gemm 1024x128x1024: its tuning calls' medians were
+// 3.3-3.7 ms per candidate on each rank, while the op's slowest rank took 5.6 ms a call in the benchmark
+// and 4.1-5.4 ms in a probe (bench/README.md, "The tuner times the slowest rank").
 struct Tuner {
   static constexpr size_t kTrials = 3;       // timed calls per candidate before the slow ones are dropped
   static constexpr size_t kFinalTrials = 7;  // timed calls per remaining candidate before the choice
