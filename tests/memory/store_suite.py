@@ -612,6 +612,7 @@ def case_publishing(store: TensorStore) -> None:
     # frees the failed put's extent, rank 0 frees the one its put had replaced, nothing comes back
     st = store.stats()
     base = (sum(u.used for u in st), sum(u.objects for u in st))
+    dist.barrier()      # every rank has its baseline before rank 0's put below changes the usage
     if rank == 0:
         store.put("p/d", gen("p/d", (MiB,), torch.uint8))
         first = store._read("p/d")
