@@ -239,11 +239,21 @@ PoolAllocator::Placement PoolAllocator::allocate(int64_t need, int only) {
 
 int64_t PoolAllocator::release(int rank, int64_t offset, int64_t length, int64_t objects) {
   return locked(rank, [&] {
-    retire(rank, offset);
     std::vector<int64_t> hdr, ext;
     state(rank, hdr, ext);
     size_t i = 0;  // the first extent at or after offset (in extents)
     while (2 * i < ext.size() && ext[2 * i] < offset) ++i;
+    // a range outside the data, or overlapping a free extent, is not allocated: refuse it before anything
+    // changes (freeing it would let two tensors share bytes later)
+    const bool before = i > 0 && ext[2 * (i - 1)] + ext[2 * (i - 1) + 1] > offset;
+    const bool after = 2 * i < ext.size() && ext[2 * i] < offset + length;
+    if (offset < 0 || length <= 0 || offset + length > hdr[kCapacity] || before || after ||
+        hdr[kUsed] < length || hdr[kObjects] < objects)
+      throw Error(cat("TensorStore: rank ", me_, " frees bytes [", offset, ", ", offset + length, ") of rank ", rank,
+                      "'s memory, which ", before || after ? "overlap a free extent (a double free)" : "are not allocated",
+                      " (used ", hdr[kUsed], " B in ", hdr[kObjects], " objects, capacity ", hdr[kCapacity],
+                      " B): a bug; nothing was freed"));
+    retire(rank, offset);
     int64_t start = offset, len = length;
     if (i > 0 && ext[2 * (i - 1)] + ext[2 * (i - 1) + 1] == offset) {  // merge with the previous extent
       --i;

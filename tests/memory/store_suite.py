@@ -377,6 +377,19 @@ def case_errors(store: TensorStore) -> None:
     dist.barrier()
     check(c, torch.equal(store.get("e/0"), torch.zeros(4, 5)), "e/0 after its writer finished")
     dist.barrier()
+    # freeing an extent twice is refused (nothing changes), so a bug cannot make two tensors share bytes
+    if rank == 0:
+        store.put("e/twice", torch.ones(1000))
+        rec = store._known.get("e/twice").rec
+        store.delete("e/twice")
+        before = store.stats()[rec.rank]
+        expect(RuntimeError, lambda: store._free(rec.rank, rec.offset, rec.reserved, 1), "a second free",
+               "double free")
+        expect(RuntimeError, lambda: store._free(rec.rank, store.capacities[rec.rank], ALIGN, 1),
+               "a free beyond the capacity", "are not allocated")
+        check(c, store.stats()[rec.rank] == before, f"refused frees changed the usage: {before} -> "
+                                                    f"{store.stats()[rec.rank]}")
+    dist.barrier()
 
 
 def case_subgroup(store: TensorStore) -> None:
