@@ -519,7 +519,6 @@ void Tuner::record(int64_t chunks, double secs) {
   // tuned: the lowest median of the candidates kept (ties: the fewer chunks; the plain path as one chunk,
   // before the overlapped one)
   choice_ = candidates[lowest_median()];
-  last = {};
 }
 
 bool Pipeline::one_host() const {
@@ -559,7 +558,7 @@ void Pipeline::use_chunks(int64_t agreed, const std::vector<std::vector<int64_t>
   int64_t micros = last.micros;
   bool every_rank = true;
   for (const auto& r : all) {
-    TORCH_INTERNAL_ASSERT(tuner_at + 1 < r.size(), "mk ", op_, ": tuner fields at ", tuner_at, " of ", r.size());
+    TORCH_INTERNAL_ASSERT(tuner_at + 1 < r.size(), "mk ", op_, ": rank ", g_.rank, ": tuner fields at ", tuner_at, " of ", r.size());
     if (r[tuner_at] != int64_t(last.seq)) every_rank = false;
     micros = std::max(micros, r[tuner_at + 1]);
   }
