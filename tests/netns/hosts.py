@@ -439,6 +439,41 @@ def run_torch_job(hosts: TwoHosts, script: str, script_args: Sequence[str] = (),
     return hosts.run_parallel(jobs, timeout)
 
 
+def run_mpi_job(hosts: TwoHosts, argv: Sequence[str], workdir: Path, nproc_per_host: int = 1,
+                timeout: float = 120.0, env: Mapping[str, str] | None = None,
+                mpirun_args: Sequence[str] = ()) -> ProcResult:
+    """Run ``argv`` as one Open MPI job of 2 × ``nproc_per_host`` ranks: mpirun in host a, which starts
+    host b's daemon through an rsh agent (written into ``workdir``) that enters host b as ``NetnsHost.argv``
+    does, where ssh would log in to a real host. Open MPI's control and TCP traffic is bound to the veth.
+    ``env`` adds variables for every rank (exported with -x); ``mpirun_args`` go before the command."""
+    agent = workdir / "netns-rsh"
+    # (mpirun runs in host a's mount namespace, whose /dev/shm hides host b's directory: the agent goes back
+    # to this process's mount namespace before it enters host b)
+    prefixes = {h.hostname: ["nsenter", f"--mount=/proc/{os.getpid()}/ns/mnt", "--", *h.argv([])]
+                for h in hosts.hosts}
+    agent.write_text(
+        f"#!{sys.executable}\n"
+        "# Open MPI's rsh agent for two namespace hosts: <host> <command line> -> the line run in that host\n"
+        "import os, sys\n"
+        f"prefixes = {prefixes!r}\n"
+        "host, line = sys.argv[1], ' '.join(sys.argv[2:])\n"
+        "if host not in prefixes:\n"
+        "    sys.exit(f'netns-rsh: unknown host {host!r} (known: {sorted(prefixes)})')\n"
+        "argv = prefixes[host] + ['sh', '-c', line]\n"
+        "os.execvp(argv[0], argv)\n", encoding="utf-8")
+    agent.chmod(0o755)
+    extra = {"GLOO_SOCKET_IFNAME": IFNAME, "SUPERKERNEL_SOCKET_IFNAME": IFNAME, **(env or {})}
+    cmd = ["mpirun", "--allow-run-as-root", "--host",
+           ",".join(f"{h.hostname}:{nproc_per_host}" for h in hosts.hosts), "-np", str(2 * nproc_per_host),
+           "--mca", "plm_rsh_agent", str(agent), "--mca", "plm_rsh_no_tree_spawn", "1",
+           "--mca", "oob_tcp_if_include", IFNAME, "--mca", "btl_tcp_if_include", IFNAME,
+           "--mca", "btl", "self,vader,tcp"]
+    for k in extra:
+        cmd += ["-x", k]
+    cmd += [*mpirun_args, *argv]
+    return hosts.run_parallel([(hosts.a, cmd, job_env(hosts.a, extra))], timeout)[0]
+
+
 @atexit.register
 def _close_all() -> None:
     with _live_lock:
