@@ -50,7 +50,7 @@ DEFAULT_ARGS = ["--max-bytes", "16M", "--factor", "4", "--time", "0.2"]
 
 # the benchmarks this runs on the two hosts, and the prefix of the JSON each writes
 SCRIPTS = {"collectives.py": "collectives", "fused_ops.py": "fused", "op_entry.py": "op-entry",
-           "carry_room.py": "carry-room"}
+           "carry_room.py": "carry-room", "gather_paths.py": "gather-paths"}
 
 SETTLE_MS = 10.0
 FUSED_BLOCKS = 4
@@ -118,7 +118,8 @@ def main() -> int:
     parser.add_argument("--script", default="collectives.py", choices=list(SCRIPTS),
                         help="benchmark to run on the two hosts (fused_ops.py: fused ops vs unfused; op_entry.py: "
                              "the fused ops' fixed cost per call, with --carry with and without carrying; "
-                             "carry_room.py: what a large carried call costs the small ones after it; no summary)")
+                             "carry_room.py: what a large carried call costs the small ones after it; gather_paths.py: "
+                             "allgather_gemm's paths against unfused and its parts; no summary)")
     parser.add_argument("bench_args", nargs="*", help="options for bench/collectives.py (after --); default: "
                         + " ".join(DEFAULT_ARGS))
     args = parser.parse_args()
