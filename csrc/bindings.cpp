@@ -559,8 +559,8 @@ PYBIND11_MODULE(_C, m) {
           // (Pipeline::use_chunks), run, keep this call's time for the next (Pipeline::record_timing)
           const int64_t c = t.next();
           proposed.push_back(c);
-          const mk::kernels::Tuner::Last last = std::exchange(t.last, {});
-          if (last.chunks != 0 && !t.done()) t.record(last.chunks, double(last.micros) * 1e-6);
+          const mk::kernels::Tuner::Last last = t.take_last();
+          if (last.chunks != 0) t.record(last.chunks, double(last.micros) * 1e-6);
           if (t.done()) continue;
           const size_t j = size_t(std::find(candidates.begin(), candidates.end(), c) - candidates.begin());
           TORCH_CHECK(j < candidates.size(), "tuner_calls: proposed ", c, ", not a candidate");

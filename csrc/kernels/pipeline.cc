@@ -551,14 +551,15 @@ void Pipeline::use_chunks(int64_t agreed, const std::vector<std::vector<int64_t>
   chunks_used_ = agreed;
   if (!tuner_) return;
   std::lock_guard<std::mutex> lock(states_mu());
-  const Tuner::Last last = std::exchange(tuner_->last, {});
-  if (last.chunks == 0 || tuner_->done()) return;
+  const Tuner::Last last = tuner_->take_last();
+  if (last.chunks == 0) return;
   // the slowest rank's time of that call, when every rank timed it (a rank whose count was not automatic, or
   // whose call failed, sent -1: then this rank's own)
   int64_t micros = last.micros;
   bool every_rank = true;
   for (const auto& r : all) {
-    TORCH_INTERNAL_ASSERT(tuner_at + 1 < r.size(), "mk ", op_, ": rank ", g_.rank, ": tuner fields at ", tuner_at, " of ", r.size());
+    TORCH_INTERNAL_ASSERT(tuner_at + 1 < r.size(), "mk ", op_, ": rank ", g_.rank, ": tuner fields at ", tuner_at,
+                          " of ", r.size());
     if (r[tuner_at] != int64_t(last.seq)) every_rank = false;
     micros = std::max(micros, r[tuner_at + 1]);
   }

@@ -111,6 +111,12 @@ struct Tuner {
     int64_t micros = 0;
   };
   Last last;
+  // `last` taken out (cleared): what the next call records, or chunks 0 when there is nothing to record
+  // (no call pending, or tuning over).
+  Last take_last() {
+    const Last l = std::exchange(last, {});
+    return done() ? Last{} : l;
+  }
   void start(std::vector<int64_t> cands);
   bool done() const { return choice_ != 0; }
   // The candidate to use next: while tuning, the one still to be timed with the fewest calls (`last` counted

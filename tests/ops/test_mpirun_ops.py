@@ -25,7 +25,7 @@ SUITES = [("gemm_suite.py", ["--errors"], ("allgather_gemm", "gemm_allreduce", "
           ("attention_suite.py", [], ("ring_attention",))]
 
 
-def _check_job(proc_rc: int, proc_out: str, proc_err: str, out: Path, suite: str, ops: tuple[str, ...],
+def _check_job(proc_rc: int | None, proc_out: str, proc_err: str, out: Path, suite: str, ops: tuple[str, ...],
                carried_only: bool) -> None:
     """The ranks' logs (``--output-filename out``): both ranks ran the suite without a failure, on mk, with
     the same bytes; the GEMM suite over shared memory wrote its products in place, across a link it carried
@@ -84,5 +84,4 @@ def test_fused_ops_under_mpirun_between_hosts(tmp_path: Path, suite: str, args: 
                           timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1", "OMP_NUM_THREADS": "1"},
                           mpirun_args=["--output-filename", str(out)])
     assert not res.timed_out, res.describe()
-    _check_job(res.returncode if res.returncode is not None else -1, res.stdout, res.stderr, out, suite, ops,
-               carried_only=True)
+    _check_job(res.returncode, res.stdout, res.stderr, out, suite, ops, carried_only=True)
