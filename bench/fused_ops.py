@@ -29,8 +29,8 @@ call of the fused and unfused variants (the maximum over ranks; whole process). 
 bench/results/fused-<tag>.json and .png.
 
 Cases come from a registry (bench/fused_registry.py): every module bench/fused_cases_*.py registers
-factories with ``@register`` (see bench/fused_cases_gemm.py); a factory receives the Context and returns Case objects. Adding an op
-family means adding one such module; this file needs no change. A benchmark, not a test: it asserts nothing.
+factories with ``@register`` (see bench/fused_cases_gemm.py); a factory receives the Context and returns Case
+objects. Adding an op family means adding one such module; this file needs no change. A benchmark, not a test: it asserts nothing.
 """
 from __future__ import annotations
 
@@ -111,8 +111,23 @@ class Concurrently:
             raise self._error
 
 
+def settle(seconds: float, sleep: bool = False) -> None:
+    """Leave the link idle for ``seconds`` before a timed call, the cores busy (a spin; ``sleep``: asleep).
+
+    A sleep measured the VM waking from idle, not the op: 2 namespace hosts at 1 Gbit/s, bf16 1024x128x1024
+    allgather_gemm, 10 ms before each call (bench/gather_paths.py, two runs each, slowest rank's median),
+    the product alone took 4.21 and 4.26 ms after a sleep against 2.88 and 2.90 after a spin, and unfused
+    4.63 and 5.15 against 3.24 and 3.28; every variant slower by 1.2-1.9 ms, by different amounts."""
+    if sleep:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, max_iters: int, dist: Any,
-            torch: Any, chunks: int = 0, settle: float = 0.0, machine_cpu: bool = False,
+            torch: Any, chunks: int = 0, settle_s: float = 0.0, machine_cpu: bool = False,
             tune: bool = True) -> dict[str, list[float]]:
     """Per-round samples of each variant, the same on every rank: ``out[k]`` the call times in seconds (the
     maximum over ranks), ``out[k + "_faults"]`` its minor page faults, with ``machine_cpu`` also
@@ -126,9 +141,10 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     predecessor (fused always ran after "both", whose communication runs on a helper thread); a random one
     spreads whatever the predecessor costs over every variant. Every call
     starts after a barrier; a call's time is the maximum over ranks; the median over rounds, not the mean,
-    since other processes add a long tail to some calls. ``settle`` seconds of idle link (untimed) precede
-    every call: over a ``tc tbf`` link the shaper's token bucket then refills, so each variant starts from
-    the same link state (without it, the variant that follows an idle one gets a burst the others do not).
+    since other processes add a long tail to some calls. ``settle_s`` seconds of idle link (untimed, the
+    cores kept busy: see ``settle``) precede every call: over a ``tc tbf`` link the shaper's token bucket
+    then refills, so each variant starts from the same link state (without it, the variant that follows an
+    idle one gets a burst the others do not).
     ``machine_cpu``: also the mean busy CPU time of the whole machine per call (every core, the kernel's
     network stack included; /proc/stat, read after the barrier and after the call, outside the timing): where
     the "hosts" share one machine, what communication costs the cores the computation needs. /proc/stat
@@ -143,8 +159,8 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
         # that start from an empty token bucket, and picks for a link the timed calls never see)
         from superkernel import _C
         for _ in range(_C.tuner_limits()["most_calls"]):
-            if settle > 0:
-                time.sleep(settle)
+            if settle_s > 0:
+                settle(settle_s)
                 _barrier(dist)
             fns["fused"]()
     _barrier(dist)
@@ -160,8 +176,8 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
     for i in range(iters):
         random.Random(i).shuffle(order)  # seeded by the round: every rank runs the same order
         for j, fn in order:
-            if settle > 0:
-                time.sleep(settle)
+            if settle_s > 0:
+                settle(settle_s)
             _barrier(dist)
             b0 = _machine_busy() if machine_cpu else 0.0
             f0 = _minor_faults()
@@ -296,7 +312,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=0, help="chunk count for the fused ops (0 = automatic)")
     ap.add_argument("--time", type=float, default=1.0, help="seconds of timed calls per variant of a case")
     ap.add_argument("--settle-ms", type=float, default=0.0,
-                    help="idle link before every timed call (bench/netns.py sets it on shaped links)")
+                    help="idle link (cores busy) before every timed call (bench/netns.py sets it on shaped links)")
     ap.add_argument("--machine-cpu", action="store_true",
                     help="also report the whole machine's busy CPU time per call (bench/netns.py sets it)")
     ap.add_argument("--blocks", type=int, default=1,

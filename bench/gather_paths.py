@@ -2,14 +2,15 @@
 
 torchrun script, meant for two namespace hosts (`python bench/netns.py --rates 1gbit --script gather_paths.py
 -- [options]`). Every round runs each variant once, in an order shuffled per round (the same on every rank),
-each call after a barrier (and after ``--settle-ms`` of sleep before that barrier, as bench/fused_ops.py's
-settle); a call's time is the slowest rank's. Variants:
+each call after a barrier (and after ``--settle-ms`` of idle link before that barrier, the cores busy as in
+bench/fused_ops.py's settle, or asleep with ``--settle-sleep``); a call's time is the slowest rank's. Variants:
 
 * ``unfused``: ``all_gather_into_tensor`` then ``@`` (the baseline);
 * ``tiny+unfused``: an 8-element ``all_reduce`` first, the round trip an argument agreement costs;
 * ``plain``: the op's plain path (chunks=1, ``SUPERKERNEL_OPS_RING_MIN_ROWS`` above m: no ring);
 * ``ring1``, ``ring2``: the ring over the transport with 1 and 2 chunks (mk across hosts);
 * ``automatic``: the chunk tuner's choice (tuned during the warm-up);
+* ``carried``: the shard inside the argument agreement (``SUPERKERNEL_OPS_CARRY_BYTES`` = its bytes to every peer);
 * ``product``, ``allgather``: the parts alone; ``allgather+sleep+product``: with 0.5 ms between them.
 
 Prints the median of each and its ratio to unfused; writes JSON to --out-dir.
@@ -21,6 +22,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +34,9 @@ import superkernel  # noqa: F401  (registers the mk backend)
 import superkernel.ops as mk
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from fused_ops import settle  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +63,13 @@ def variants(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[
         finally:
             del os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"]
 
+    def carried() -> torch.Tensor:
+        os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = str(a.nbytes * (R - 1))  # read at every call, alike everywhere
+        try:
+            return mk.allgather_gemm(a, b)
+        finally:
+            del os.environ["SUPERKERNEL_OPS_CARRY_BYTES"]
+
     def gather_sleep_product() -> torch.Tensor:
         dist.all_gather_into_tensor(gathered, a)
         time.sleep(0.0005)
@@ -65,7 +77,7 @@ def variants(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[
 
     return {"unfused": unfused, "tiny+unfused": tiny_unfused, "plain": plain,
             "ring1": lambda: mk.allgather_gemm(a, b, chunks=1), "ring2": lambda: mk.allgather_gemm(a, b, chunks=2),
-            "automatic": lambda: mk.allgather_gemm(a, b), "product": lambda: gathered @ b,
+            "automatic": lambda: mk.allgather_gemm(a, b), "carried": carried, "product": lambda: gathered @ b,
             "allgather": lambda: dist.all_gather_into_tensor(gathered, a),
             "allgather+sleep+product": gather_sleep_product}
 
@@ -76,7 +88,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=40, help="calls of each variant first (the tuner decides then)")
-    ap.add_argument("--settle-ms", type=float, default=0.0, help="sleep before each call's barrier")
+    ap.add_argument("--settle-ms", type=float, default=0.0, help="idle link before each call's barrier")
+    ap.add_argument("--settle-sleep", action="store_true",
+                    help="sleep through the settle (the cores idle too) instead of fused_ops.py's busy wait")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--hosts-desc", default="")
@@ -95,7 +109,7 @@ def main() -> None:
         random.Random(i).shuffle(order)
         for j, fn in order:
             if args.settle_ms > 0:
-                time.sleep(args.settle_ms / 1e3)
+                settle(args.settle_ms / 1e3, sleep=args.settle_sleep)
             dist.barrier()
             t0 = time.perf_counter()
             fn()
@@ -105,7 +119,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"# allgather_gemm {args.shape} {args.dtype}, {dist.get_world_size()} ranks"
               f"{', ' + args.hosts_desc if args.hosts_desc else ''}; {args.rounds} rounds, settle "
-              f"{args.settle_ms:g} ms; slowest rank's median")
+              f"{args.settle_ms:g} ms{' (asleep)' if args.settle_sleep else ''}; slowest rank's median")
         print(f"{'variant':>24} | {'ms':>8} | {'÷ unfused':>9}")
         for name, v in med.items():
             print(f"{name:>24} | {v:>8.3f} | {v / med['unfused']:>9.3f}")
@@ -113,7 +127,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"gather-paths-{args.tag or 'local'}.json").write_text(json.dumps(
             {"shape": args.shape, "dtype": args.dtype, "rounds": args.rounds, "settle_ms": args.settle_ms,
-             "hosts": args.hosts_desc, "median_ms": med}, indent=1), encoding="utf-8")
+             "settle_sleep": args.settle_sleep, "hosts": args.hosts_desc, "median_ms": med}, indent=1), encoding="utf-8")
     dist.destroy_process_group()
 
 

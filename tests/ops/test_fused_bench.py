@@ -42,7 +42,9 @@ def run_bench(tmp: Path, tag: str, families: str, shapes: str, blocks: int, extr
 def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[str], blocks: int, pin: bool) -> None:
     """(--pin: each rank runs on one CPU, rank r on the r-th of those this process may use, modulo their
     count; the JSON records every rank's CPUs)"""
-    doc = run_bench(tmp_path, families.replace(",", "-"), families, shapes, blocks, ("--pin",) if pin else ())
+    # (the settle, a busy wait before every timed call, is what bench/netns.py passes on shaped links)
+    doc = run_bench(tmp_path, families.replace(",", "-"), families, shapes, blocks,
+                    ("--pin",) if pin else ("--settle-ms", "0.5"))
     mine = sorted(os.sched_getaffinity(0))
     want = [[mine[r % len(mine)]] for r in range(2)] if pin else [mine, mine]
     assert doc["meta"]["cpus_by_rank"] == want, doc["meta"]
@@ -86,3 +88,24 @@ def test_op_entry_bench_runs(tmp_path: Path, backend: str) -> None:
     for r in rows:
         for timing in ("loop_us", "barrier_us"):
             assert set(r[timing]) == names and all(v > 0 for v in r[timing].values()), r
+
+
+@pytest.mark.parametrize("settle", ["spin", "sleep"])
+def test_gather_paths_bench_runs(tmp_path: Path, settle: str) -> None:
+    """bench/gather_paths.py (allgather_gemm's paths against unfused and its parts) runs on 2 ranks of mk over
+    TCP, prints every variant's median and writes it to JSON."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SUPERKERNEL_TRANSPORT": "tcp"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            str(ROOT / "bench" / "gather_paths.py"), "--shape", "24x8x16", "--rounds", "3", "--warmup", "2",
+            "--settle-ms", "0.5", "--out-dir", str(tmp_path), "--tag", settle]
+    if settle == "sleep":
+        argv.append("--settle-sleep")
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads((tmp_path / f"gather-paths-{settle}.json").read_text(encoding="utf-8"))
+    assert doc["settle_sleep"] == (settle == "sleep"), doc
+    want = {"unfused", "tiny+unfused", "plain", "ring1", "ring2", "automatic", "carried", "product", "allgather",
+            "allgather+sleep+product"}
+    assert set(doc["median_ms"]) == want and all(v > 0 for v in doc["median_ms"].values()), doc
+    for name in want:
+        assert f"{name:>24} |" in proc.stdout, proc.stdout[-3000:]
