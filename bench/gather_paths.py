@@ -10,7 +10,6 @@ bench/fused_ops.py's settle, or asleep with ``--settle-sleep``); a call's time i
 * ``plain``: the op's plain path (chunks=1, ``SUPERKERNEL_OPS_RING_MIN_ROWS`` above m: no ring);
 * ``ring1``, ``ring2``: the ring over the transport with 1 and 2 chunks (mk across hosts);
 * ``automatic``: the chunk tuner's choice (tuned during the warm-up);
-* ``carried``: the shard inside the argument agreement (``SUPERKERNEL_OPS_CARRY_BYTES`` = its bytes to every peer);
 * ``product``, ``allgather``: the parts alone; ``allgather+sleep+product``: with 0.5 ms between them.
 
 Prints the median of each and its ratio to unfused; writes JSON to --out-dir.
@@ -63,13 +62,6 @@ def variants(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[
         finally:
             del os.environ["SUPERKERNEL_OPS_RING_MIN_ROWS"]
 
-    def carried() -> torch.Tensor:
-        os.environ["SUPERKERNEL_OPS_CARRY_BYTES"] = str(a.nbytes * (R - 1))  # read at every call, alike everywhere
-        try:
-            return mk.allgather_gemm(a, b)
-        finally:
-            del os.environ["SUPERKERNEL_OPS_CARRY_BYTES"]
-
     def gather_sleep_product() -> torch.Tensor:
         dist.all_gather_into_tensor(gathered, a)
         time.sleep(0.0005)
@@ -77,7 +69,7 @@ def variants(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[
 
     return {"unfused": unfused, "tiny+unfused": tiny_unfused, "plain": plain,
             "ring1": lambda: mk.allgather_gemm(a, b, chunks=1), "ring2": lambda: mk.allgather_gemm(a, b, chunks=2),
-            "automatic": lambda: mk.allgather_gemm(a, b), "carried": carried, "product": lambda: gathered @ b,
+            "automatic": lambda: mk.allgather_gemm(a, b), "product": lambda: gathered @ b,
             "allgather": lambda: dist.all_gather_into_tensor(gathered, a),
             "allgather+sleep+product": gather_sleep_product}
 

@@ -12,7 +12,8 @@ command's private mount namespace; ``private_shm=False`` shares the machine's), 
 silently connect the two hosts; a test can look for leaked segments in ``host.shm_dir``. What is still
 shared: the pid namespace (``process_vm_readv`` across hosts would work), the boot id, the file system.
 
-Optionally the link is shaped in both directions with ``tc ... tbf rate <rate>`` (e.g. "1gbit").
+Optionally the link is shaped in both directions with ``tc ... tbf rate <rate>`` (e.g. "1gbit"), with a peak
+rate just above it, so that it never carries more than its rate (see TwoHosts.__enter__).
 
 Cleanup is guaranteed as far as a process can: the context manager, an ``atexit`` hook, and at every new
 creation the removal of namespaces left behind by dead processes (their pid is part of the name). Deleting a
@@ -181,6 +182,9 @@ class ProcResult:
                 f"--- stdout:\n{self.stdout}\n--- stderr:\n{self.stderr}")
 
 
+PEAK_BUCKET_BYTES = 70000  # tbf's peak bucket: the largest packet veth hands it (64 KiB of GSO data + headers)
+
+
 @dataclass(eq=False)
 class TwoHosts:
     """Context manager: two namespace hosts ``a`` (x.x.x.1) and ``b`` (x.x.x.2) joined by a veth pair."""
@@ -252,8 +256,14 @@ class TwoHosts:
             if self.rate:
                 bps = parse_rate(self.rate)
                 burst = max(64 << 10, int(bps / 8 * 0.004))  # >= 4 ms of traffic: enough for HZ=250 timers
+                # The peak bucket (one packet: veth's GSO packets are up to 64 KiB, plus headers) refilled at
+                # 1% over the rate: after an idle spell the full main bucket no longer lets its 4 ms of traffic
+                # through at memory speed. Without it a 256 KiB allgather between the hosts took 0.38 ms
+                # after 10 ms of idle link (5.5 Gbit/s on a "1 Gbit/s" link), with it 2.06 (its 2.1 ms of
+                # wire time; bench/README.md).
                 _admin(["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.ifname, "root", "tbf",
-                        "rate", self.rate, "burst", str(burst), "latency", "50ms"])
+                        "rate", self.rate, "burst", str(burst), "latency", "50ms",
+                        "peakrate", str(int(bps * 1.01)), "mtu", str(PEAK_BUCKET_BYTES)])
         # veth comes up asynchronously: wait until both ends report operstate "up".
         deadline = time.monotonic() + 10
         while not all(h.operstate() == "up" for h in (a, b)):

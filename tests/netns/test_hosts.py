@@ -185,6 +185,32 @@ def test_tbf_limits_the_link_rate() -> None:
     assert rate_bps < 1.5e8, f"{rate_bps / 1e6:.0f} Mbit/s through a 100 Mbit/s tbf"
 
 
+@needs_netns
+@pytest.mark.netns
+def test_idle_link_does_not_burst_beyond_its_rate() -> None:
+    """After an idle spell tbf's main bucket is full (4 ms of traffic, 500 KB at 1 Gbit/s); the peak rate keeps
+    that from crossing at memory speed. The receiver asks for 768 KiB after 50 ms of idle link and times it
+    from its request: about 6 ms at 1 Gbit/s, where the full bucket alone would let it arrive in ~2.3 ms."""
+    nbytes = 768 << 10
+    receiver = ("import socket, time; s = socket.create_server(('0.0.0.0', 5202)); print('ready', flush=True); "
+                "c, _ = s.accept(); time.sleep(0.05); t0 = time.monotonic(); c.sendall(b'g'); n = 0\n"
+                "while True:\n    d = c.recv(1 << 20)\n    if not d: break\n    n += len(d)\n"
+                "print(n, time.monotonic() - t0, flush=True)")
+    with TwoHosts(rate="1gbit") as hosts:
+        a, b = hosts.hosts
+        sink = hosts.spawn(b, [sys.executable, "-c", receiver], None, subprocess.PIPE, subprocess.PIPE)
+        assert sink.stdout is not None
+        assert sink.stdout.readline().decode().strip() == "ready"
+        sender = (f"import socket; c = socket.create_connection(('{b.address}', 5202), timeout=30); "
+                  f"assert c.recv(1) == b'g'; c.sendall(b'x' * {nbytes}); c.close()")
+        a.run([sys.executable, "-c", sender], timeout=60, check=True)
+        out, err = sink.communicate(timeout=60)
+    got, seconds = out.decode().split()
+    assert int(got) == nbytes, err
+    rate_bps = nbytes * 8 / float(seconds)
+    assert rate_bps < 1.5e9, f"{rate_bps / 1e9:.2f} Gbit/s through a 1 Gbit/s tbf after an idle spell"
+
+
 def test_not_root_reason_is_clear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     reason = unavailable_reason()

@@ -104,7 +104,7 @@ def test_gather_paths_bench_runs(tmp_path: Path, settle: str) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc = json.loads((tmp_path / f"gather-paths-{settle}.json").read_text(encoding="utf-8"))
     assert doc["settle_sleep"] == (settle == "sleep"), doc
-    want = {"unfused", "tiny+unfused", "plain", "ring1", "ring2", "automatic", "carried", "product", "allgather",
+    want = {"unfused", "tiny+unfused", "plain", "ring1", "ring2", "automatic", "product", "allgather",
             "allgather+sleep+product"}
     assert set(doc["median_ms"]) == want and all(v > 0 for v in doc["median_ms"].values()), doc
     for name in want:
