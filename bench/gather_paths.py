@@ -119,7 +119,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"gather-paths-{args.tag or 'local'}.json").write_text(json.dumps(
             {"shape": args.shape, "dtype": args.dtype, "rounds": args.rounds, "settle_ms": args.settle_ms,
-             "settle_sleep": args.settle_sleep, "hosts": args.hosts_desc, "median_ms": med}, indent=1), encoding="utf-8")
+             "settle_sleep": args.settle_sleep, "hosts": args.hosts_desc, "median_ms": med}, indent=1),
+            encoding="utf-8")
     dist.destroy_process_group()
 
 
