@@ -161,26 +161,31 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-@needs_netns
-@pytest.mark.netns
-def test_tbf_limits_the_link_rate() -> None:
-    nbytes = 6 << 20
-    receiver = ("import socket, sys, time; s = socket.create_server(('0.0.0.0', 5201)); print('ready', flush=True); "
-                "c, _ = s.accept(); n = 0; t0 = time.monotonic()\n"
+def _rate_through(rate: str, nbytes: int, idle: float) -> float:
+    """Bits per second of `nbytes` sent from host a to host b over a link shaped to `rate`: the receiver waits
+    `idle` seconds after the connection is up, then asks for the bytes and times them from its request."""
+    receiver = ("import socket, time; s = socket.create_server(('0.0.0.0', 5201)); print('ready', flush=True); "
+                f"c, _ = s.accept(); time.sleep({idle}); t0 = time.monotonic(); c.sendall(b'g'); n = 0\n"
                 "while True:\n    d = c.recv(1 << 20)\n    if not d: break\n    n += len(d)\n"
                 "print(n, time.monotonic() - t0, flush=True)")
-    with TwoHosts(rate="100mbit") as hosts:
+    with TwoHosts(rate=rate) as hosts:
         a, b = hosts.hosts
         sink = hosts.spawn(b, [sys.executable, "-c", receiver], None, subprocess.PIPE, subprocess.PIPE)
         assert sink.stdout is not None
         assert sink.stdout.readline().decode().strip() == "ready"
         sender = (f"import socket; c = socket.create_connection(('{b.address}', 5201), timeout=30); "
-                  f"c.sendall(b'x' * {nbytes}); c.close()")
+                  f"assert c.recv(1) == b'g'; c.sendall(b'x' * {nbytes}); c.close()")
         a.run([sys.executable, "-c", sender], timeout=60, check=True)
         out, err = sink.communicate(timeout=60)
     got, seconds = out.decode().split()
     assert int(got) == nbytes, err
-    rate_bps = nbytes * 8 / float(seconds)
+    return nbytes * 8 / float(seconds)
+
+
+@needs_netns
+@pytest.mark.netns
+def test_tbf_limits_the_link_rate() -> None:
+    rate_bps = _rate_through("100mbit", 6 << 20, idle=0.0)
     # Unshaped, a veth moves several Gbit/s; shaped to 100 Mbit/s it must stay near that (burst allowance).
     assert rate_bps < 1.5e8, f"{rate_bps / 1e6:.0f} Mbit/s through a 100 Mbit/s tbf"
 
@@ -189,25 +194,9 @@ def test_tbf_limits_the_link_rate() -> None:
 @pytest.mark.netns
 def test_idle_link_does_not_burst_beyond_its_rate() -> None:
     """After an idle spell tbf's main bucket is full (4 ms of traffic, 500 KB at 1 Gbit/s); the peak rate keeps
-    that from crossing at memory speed. The receiver asks for 768 KiB after 50 ms of idle link and times it
-    from its request: about 6 ms at 1 Gbit/s, where the full bucket alone would let it arrive in ~2.3 ms."""
-    nbytes = 768 << 10
-    receiver = ("import socket, time; s = socket.create_server(('0.0.0.0', 5202)); print('ready', flush=True); "
-                "c, _ = s.accept(); time.sleep(0.05); t0 = time.monotonic(); c.sendall(b'g'); n = 0\n"
-                "while True:\n    d = c.recv(1 << 20)\n    if not d: break\n    n += len(d)\n"
-                "print(n, time.monotonic() - t0, flush=True)")
-    with TwoHosts(rate="1gbit") as hosts:
-        a, b = hosts.hosts
-        sink = hosts.spawn(b, [sys.executable, "-c", receiver], None, subprocess.PIPE, subprocess.PIPE)
-        assert sink.stdout is not None
-        assert sink.stdout.readline().decode().strip() == "ready"
-        sender = (f"import socket; c = socket.create_connection(('{b.address}', 5202), timeout=30); "
-                  f"assert c.recv(1) == b'g'; c.sendall(b'x' * {nbytes}); c.close()")
-        a.run([sys.executable, "-c", sender], timeout=60, check=True)
-        out, err = sink.communicate(timeout=60)
-    got, seconds = out.decode().split()
-    assert int(got) == nbytes, err
-    rate_bps = nbytes * 8 / float(seconds)
+    that from crossing at memory speed. 768 KiB asked for after 50 ms of idle link take about 6 ms at
+    1 Gbit/s, where the full bucket alone would let them arrive in ~2.3 ms."""
+    rate_bps = _rate_through("1gbit", 768 << 10, idle=0.05)
     assert rate_bps < 1.5e9, f"{rate_bps / 1e9:.2f} Gbit/s through a 1 Gbit/s tbf after an idle spell"
 
 
