@@ -2,8 +2,9 @@
 
 torchrun script, meant for two namespace hosts (`python bench/netns.py --rates 1gbit --script gather_paths.py
 -- [options]`). Every round runs each variant once, in an order shuffled per round (the same on every rank),
-each call after a barrier (and after ``--settle-ms`` of idle link before that barrier, the cores busy as in
-bench/fused_ops.py's settle, or asleep with ``--settle-sleep``); a call's time is the slowest rank's. Variants:
+each call after a barrier (and with ``--settle-ms``, after a barrier, that long an idle link and a barrier:
+bench/fused_ops.py's settled_start, the cores busy or asleep with ``--settle-sleep``); a call's time is the
+slowest rank's. Variants:
 
 * ``unfused``: ``all_gather_into_tensor`` then ``@`` (the baseline);
 * ``tiny+unfused``: an 8-element ``all_reduce`` first, the round trip an argument agreement costs;
@@ -35,7 +36,7 @@ import superkernel.ops as mk
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from fused_ops import settle  # noqa: E402
+from fused_ops import settled_start  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -100,9 +101,7 @@ def main() -> None:
     for i in range(args.rounds):
         random.Random(i).shuffle(order)
         for j, fn in order:
-            if args.settle_ms > 0:
-                settle(args.settle_ms / 1e3, sleep=args.settle_sleep)
-            dist.barrier()
+            settled_start(dist, args.settle_ms / 1e3, sleep=args.settle_sleep)
             t0 = time.perf_counter()
             fn()
             times[j, i] = time.perf_counter() - t0

@@ -109,3 +109,27 @@ def test_gather_paths_bench_runs(tmp_path: Path, settle: str) -> None:
     assert set(doc["median_ms"]) == want and all(v > 0 for v in doc["median_ms"].values()), doc
     for name in want:
         assert f"{name:>24} |" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("seconds,sleep", [(0.002, False), (0.002, True), (0.0, False)])
+def test_settled_start_waits_for_every_rank_before_the_settle(monkeypatch: pytest.MonkeyPatch, seconds: float,
+                                                              sleep: bool) -> None:
+    """The settle starts only after a barrier: a rank that finished its call first must not spin on cores
+    the other rank's call still needs (the namespace hosts share them). With no settle, one barrier."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import fused_ops
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    events: list[str] = []
+
+    class Dist:
+        def barrier(self) -> None:
+            events.append("barrier")
+
+    def settle(s: float, asleep: bool = False) -> None:
+        events.append(f"settle {s} {asleep}")
+
+    monkeypatch.setattr(fused_ops, "settle", settle)
+    fused_ops.settled_start(Dist(), seconds, sleep)
+    assert events == (["barrier", f"settle {seconds} {sleep}", "barrier"] if seconds > 0 else ["barrier"])
