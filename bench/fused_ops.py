@@ -120,8 +120,8 @@ def settled_start(dist: Any, seconds: float, sleep: bool = False) -> None:
     without it the rank that finished first spun through its settle while the other was still finishing, and
     the threads that other rank's call still needed (Gloo's, mk's progress) waited for a core behind the spin.
     A 384 B Gloo send/recv exchange between 2 namespace hosts (unshaped veth, 60 calls, the slower rank):
-    median 1.87 ms (p75 2.39) after a settle with no barrier before it, 0.16 ms (p75 0.18) with one, 0.12
-    (p75 0.16) with no settle at all."""
+    median 1.87 ms (p75 2.39) after a settle with no barrier before it, 0.16 ms (p75 0.18) with one, 0.14
+    (p75 0.16) with the two barriers and no settle (bench/README.md, "A barrier before the settle")."""
     if seconds > 0:
         _barrier(dist)
         settle(seconds, sleep)
