@@ -47,7 +47,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,26 @@ def settled_start(dist: Any, seconds: float, sleep: bool = False) -> None:
         _barrier(dist)
         settle(seconds, sleep)
     _barrier(dist)
+
+
+def interleaved_rounds(dist: Any, fns: Sequence[Callable[[], Any]], rounds: int, seconds: float,
+                       sleep: bool = False) -> Any:
+    """Time every function of ``fns`` once per round, in an order shuffled per round (the same on every rank:
+    seeded by the round), each call after ``settled_start(dist, seconds, sleep)``. Returns a float64 tensor
+    [len(fns), rounds] of seconds, each the slowest rank's (an allreduce MAX at the end)."""
+    import torch
+
+    times = torch.zeros(len(fns), rounds, dtype=torch.float64)
+    order = list(enumerate(fns))
+    for i in range(rounds):
+        random.Random(i).shuffle(order)
+        for j, fn in order:
+            settled_start(dist, seconds, sleep)
+            t0 = time.perf_counter()
+            fn()
+            times[j, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times
 
 
 def settle(seconds: float, sleep: bool = False) -> None:

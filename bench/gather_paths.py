@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ import superkernel.ops as mk
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from fused_ops import settled_start  # noqa: E402
+from fused_ops import interleaved_rounds  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -96,16 +95,7 @@ def main() -> None:
     for fn in fns.values():
         for _ in range(args.warmup):
             fn()
-    times = torch.zeros(len(fns), args.rounds, dtype=torch.float64)
-    order = list(enumerate(fns.values()))
-    for i in range(args.rounds):
-        random.Random(i).shuffle(order)
-        for j, fn in order:
-            settled_start(dist, args.settle_ms / 1e3, sleep=args.settle_sleep)
-            t0 = time.perf_counter()
-            fn()
-            times[j, i] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = interleaved_rounds(dist, list(fns.values()), args.rounds, args.settle_ms / 1e3, args.settle_sleep)
     med = {name: statistics.median(times[j].tolist()) * 1e3 for j, name in enumerate(fns)}
     if dist.get_rank() == 0:
         print(f"# allgather_gemm {args.shape} {args.dtype}, {dist.get_world_size()} ranks"

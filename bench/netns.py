@@ -50,7 +50,8 @@ DEFAULT_ARGS = ["--max-bytes", "16M", "--factor", "4", "--time", "0.2"]
 
 # the benchmarks this runs on the two hosts, and the prefix of the JSON each writes
 SCRIPTS = {"collectives.py": "collectives", "fused_ops.py": "fused", "op_entry.py": "op-entry",
-           "carry_room.py": "carry-room", "gather_paths.py": "gather-paths"}
+           "carry_room.py": "carry-room", "gather_paths.py": "gather-paths",
+           "exchange_channel.py": "exchange-channel"}
 
 SETTLE_MS = 10.0
 FUSED_BLOCKS = 4

@@ -111,6 +111,55 @@ def test_gather_paths_bench_runs(tmp_path: Path, settle: str) -> None:
         assert f"{name:>24} |" in proc.stdout, proc.stdout[-3000:]
 
 
+def test_exchange_channel_bench_runs(tmp_path: Path) -> None:
+    """bench/exchange_channel.py (a small exchange through Gloo or through its own TCP connections before
+    gemm_allreduce's unfused composition) runs on 2 Gloo ranks, prints every variant and writes them to JSON."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            str(ROOT / "bench" / "exchange_channel.py"), "--shape", "24x8x16", "--rounds", "3", "--warmup", "2",
+            "--settle-ms", "0.5", "--out-dir", str(tmp_path), "--tag", "t"]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads((tmp_path / "exchange-channel-t.json").read_text(encoding="utf-8"))
+    want = {"unfused", "gloo-allreduce+unfused", "gloo-sendrecv+unfused", "socket+unfused", "fused-1", "fused-auto",
+            "product", "allreduce"}
+    assert doc["backend"] == "gloo" and set(doc["stats"]) == want, doc
+    assert all(v["median_ms"] > 0 and v["p75_ms"] >= v["median_ms"] for v in doc["stats"].values()), doc
+    for name in want:
+        assert f"{name:>24} |" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_exchange_channel_refuses_a_connection_without_the_token() -> None:
+    """The benchmark's own connections: a connection that presents another token is closed and the wait goes
+    on; the one with the token (and an expected rank) is accepted."""
+    import socket
+    import threading
+
+    from bench import exchange_channel as ec  # (it puts bench/ on sys.path for its own imports)
+
+    token = bytes(range(ec.TOKEN_BYTES))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.settimeout(10)
+        port = listener.getsockname()[1]
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(peer=ec.accept_peer(listener, token, {1})))
+        t.start()
+        bad = socket.create_connection(("127.0.0.1", port))
+        bad.sendall(bytes(ec.TOKEN_BYTES) + (1).to_bytes(4, "little"))
+        assert bad.recv(1) == b"", "a connection with the wrong token was kept open"
+        good = socket.create_connection(("127.0.0.1", port))
+        good.sendall(token + (1).to_bytes(4, "little"))
+        t.join(10)
+        rank, conn = got["peer"]
+        assert rank == 1
+        conn.sendall(b"x")
+        assert good.recv(1) == b"x"
+        for c in (bad, good, conn):
+            c.close()
+
+
 @pytest.mark.parametrize("seconds,sleep", [(0.002, False), (0.002, True), (0.0, False)])
 def test_settled_start_waits_for_every_rank_before_the_settle(monkeypatch: pytest.MonkeyPatch, seconds: float,
                                                               sleep: bool) -> None:
