@@ -314,7 +314,7 @@ class GemmAgreement {
     p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=", chunks_name(C), " (proposed ",
              chunks_name(proposal_),
              requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
-             agreement_->on_board() ? " agreement=board" : "", carried() ? " carried" : "");
+             agreement_->on_board() ? " agreement=board" : agreement_->on_side() ? " agreement=side" : "", carried() ? " carried" : "");
     return {C == kPlainPath, C == kPlainPath ? 1 : C};
   }
   // After chunks(): every rank's payload came inside the agreement (see CarryLimit).

@@ -69,15 +69,17 @@ std::string value_text(const char* field, int64_t v) {
 
 // Descriptor words: magic, op name (32 bytes), call number, field count, own verdict, host identity (hash),
 // where this rank's agreement board is (pid, fd, token; 0 without one) and whether it mapped its peers', the
-// bytes of carried data that follow the descriptor in this message, an unused word (0), whether it carries
-// (1: its messages hold its data, possibly 0 bytes of it), then the fields.
+// bytes of carried data that follow the descriptor in this message, the side channel (bit 0: this rank may
+// open one, bit 1: it has one open; side_channel.h; 0 from builds before it, which so never use one), whether
+// it carries (1: its messages hold its data, possibly 0 bytes of it), then the fields.
 // (bumped whenever what a descriptor's words mean changes: see descriptor_version_problem; 6: chunk
 // proposals may be kPlainPath, -1, and ring_attention's tuned path is 1 ring / -1 gather, where 2 / 1 was;
 // 7: the tuned ops send Pipeline::tuner_fields before their chunk field)
 constexpr int64_t kMagic = 0x6d6b616772656537;  // "mkagree7"
 constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
 constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13;
-constexpr size_t kCarries = 15, kHead = 16;
+constexpr size_t kSide = 14, kCarries = 15, kHead = 16;
+constexpr int64_t kSideMay = 1, kSideOpen = 2;
 constexpr size_t kWords = 48;
 constexpr size_t kDescriptorBytes = kWords * sizeof(int64_t);
 constexpr size_t kMaxFields = kWords - kHead;
@@ -121,6 +123,9 @@ struct Agreement::State {
   std::shared_ptr<AgreementBoard> board;  // this group's agreement board (null: none)
   bool on_board = false;                  // the descriptors of this call travel on the board
   std::function<void(bool)> on_result;
+  SideChannel side;                       // (side.active: the descriptors travel on side.comm)
+  std::function<void(const SideWords&)> on_side_words;
+  bool side_words_told = false;
   std::vector<int64_t> mine;   // kWords
   std::vector<int64_t> theirs; // size * kWords (rank q at q * kWords; own row unused on mk)
   // mk, and other backends on CPU
@@ -135,14 +140,18 @@ struct Agreement::State {
   at::Tensor in, out;
   c10::intrusive_ptr<c10d::Work> work;
 
+  // The communicator the descriptors travel on as point-to-point messages: mk's own, or the side channel.
+  bool over_comm() const { return g.is_mk() || side.active; }
+  Comm& comm() const { return side.active ? *side.comm : g.comm(); }
   bool finish_mk(bool quiet);  // false: the exchange failed (quiet: the communicator was aborted)
   void receive_other();
   void advance_board();
+  void tell_side_words();
   std::vector<std::vector<int64_t>> check();
 };
 
 Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq,
-                     std::shared_ptr<AgreementBoard> board, Carried carried)
+                     std::shared_ptr<AgreementBoard> board, Carried carried, SideChannel side)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.g = g;
@@ -158,6 +167,9 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   s.mine[kCount] = int64_t(s.fields.size());
   s.mine[kOk] = s.local_error.empty() ? 1 : 0;
   s.mine[kHost] = host_hash();
+  TORCH_CHECK(!side.active || side.comm, "mk ", op, ": the side channel is active but not open");
+  s.mine[kSide] = (side.may ? kSideMay : 0) | (side.comm ? kSideOpen : 0);
+  s.side = std::move(side);
   if (board && g.size > 1) {
     s.board = std::move(board);
     s.mine[kBoardPid] = s.board->pid();
@@ -224,8 +236,8 @@ Agreement::Agreement(const Group& g, const char* op, std::vector<Field> fields, 
   // Every receive takes up to carry_max() bytes of carried data whether or not this rank carries any: a peer
   // may (its limit, or its arguments, differ), and its message must still be taken whole.
   const size_t capacity = kDescriptorBytes + carry_max(g.is_mk());
-  if (g.is_mk()) {
-    Comm& comm = g.comm();
+  if (s.over_comm()) {
+    Comm& comm = s.comm();
     s.sends.resize(size_t(R));
     s.recvs.resize(size_t(R));
     try {
@@ -302,6 +314,8 @@ bool Agreement::same_host() const { return s_ && s_->same_host; }
 
 bool Agreement::on_board() const { return s_ && s_->on_board; }
 
+bool Agreement::on_side() const { return s_ && !s_->on_board && s_->side.active; }
+
 bool Agreement::carried() const { return s_ && s_->carried_all; }
 
 const void* Agreement::carried_from(int q) const {
@@ -317,18 +331,25 @@ size_t Agreement::carried_bytes(int q) const {
 
 void Agreement::on_result(std::function<void(bool)> fn) { s_->on_result = std::move(fn); }
 
+void Agreement::on_side_words(std::function<void(const SideWords&)> fn) { s_->on_side_words = std::move(fn); }
+
 Agreement::~Agreement() {
   if (!s_ || s_->done) return;
   s_->done = true;
   try {
     if (s_->on_board) {
       // nothing to consume: a peer rewrites this call's slot only after it has seen every rank's next one
-    } else if (s_->g.is_mk()) {
-      if (s_->finish_mk(true)) s_->advance_board();
+    } else if (s_->over_comm()) {
+      if (s_->finish_mk(true)) {
+        s_->advance_board();
+        s_->tell_side_words();
+      }
     } else if (s_->work || !s_->other_recvs.empty()) {
-      // The words still decide the board's state, as on every other rank (result() was not called here).
+      // The words still decide the board's and the side channel's state, as on every other rank (result()
+      // was not called here).
       s_->receive_other();
       s_->advance_board();
+      s_->tell_side_words();
     }
   } catch (...) {
     // Unwinding after another error: the descriptors are consumed or the communicator was aborted.
@@ -338,7 +359,7 @@ Agreement::~Agreement() {
 // Wait for every descriptor (mk). A transport failure (timeout, a peer gone, an interrupt) leaves the pairs
 // out of step, so the communicator is aborted, as for any torn exchange.
 bool Agreement::State::finish_mk(bool quiet) {
-  Comm& comm = g.comm();
+  Comm& comm = this->comm();
   const Deadline dl = Deadline::after(g.timeout);
   const std::string what = c10::str(op, " (argument agreement)");
   for (int q = 0; q < g.size; ++q) {
@@ -391,12 +412,14 @@ std::vector<std::vector<int64_t>> Agreement::result() {
           throw_backend(e.what());
         }
       }
-    } else if (s.g.is_mk()) {
+    } else if (s.over_comm()) {
       s.finish_mk(false);
       s.advance_board();
+      s.tell_side_words();
     } else {
       s.receive_other();
       s.advance_board();
+      s.tell_side_words();
     }
   }
   auto all = s.check();
@@ -467,6 +490,22 @@ void Agreement::State::advance_board() {
     }
     if (!board->map_peers(pids, fds, tokens)) board->retire();  // (the others see no offer next time)
   }
+}
+
+// After an exchange of descriptors (not on the board), what they said of the side channel, to on_side_words.
+void Agreement::State::tell_side_words() {
+  if (!on_side_words || side_words_told) return;
+  side_words_told = true;
+  SideWords w;
+  w.all_may = w.all_open = w.one_host = true;
+  for (int r = 0; r < g.size; ++r) {
+    const int64_t* row = &theirs[size_t(r) * kWords];
+    const bool valid = row[0] == kMagic;
+    w.all_may = w.all_may && valid && (row[kSide] & kSideMay) != 0;
+    w.all_open = w.all_open && valid && (row[kSide] & kSideOpen) != 0;
+    w.one_host = w.one_host && valid && row[kHost] == mine[kHost];
+  }
+  on_side_words(w);
 }
 
 std::vector<std::vector<int64_t>> Agreement::State::check() {

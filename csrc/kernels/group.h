@@ -75,6 +75,21 @@ constexpr size_t kCarryMaxOther = size_t(256) << 10;
 constexpr size_t kCarryMaxGather = size_t(4) << 20;
 inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxGather; }
 
+// The agreement's own channel on other backends with CPU tensors across hosts (side_channel.h), as the
+// pipeline holds it for this call.
+struct SideChannel {
+  bool may = false;            // this rank may open one (said in the descriptor)
+  std::shared_ptr<Comm> comm;  // open on this rank (said in the descriptor)
+  bool active = false;         // every rank had it open at an earlier agreement: this one travels on it
+};
+
+// What every rank said about the side channel in an agreement's descriptors (the same on every rank).
+struct SideWords {
+  bool all_may = false;    // every rank may open one
+  bool all_open = false;   // every rank has one open
+  bool one_host = false;   // every rank is on this host (the board's case, not the side channel's)
+};
+
 // The cross-rank agreement in flight. Constructing it sends this rank's descriptor (the op's name, its call
 // number `seq` on this group, the fields, and whether its own argument check passed) and posts the receives
 // of every other rank's; result() waits for them and checks. Between the two the caller may compute
@@ -85,7 +100,9 @@ inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxGather; }
 //           tag of its own, matched in call order per pair); accelerators: one asynchronous alltoall of the
 //           descriptors on the backend;
 //   board   on either, once every rank is known to be on this host and has mapped its peers' boards: the
-//           descriptors go through `board` (shared memory, agreement_board.h).
+//           descriptors go through `board` (shared memory, agreement_board.h);
+//   side    other backends with CPU tensors across hosts, once every rank opened it (`side`, side_channel.h):
+//           as on mk, over that communicator (carried data included, up to the backend's limits).
 // result() throws on every rank, naming the op: with this rank's own error (`local_error`); "rank X rejected
 // its arguments"; the ranks are at different fused-op calls (another op name or call number: every rank must
 // call the same fused ops in the same order); or the must_match fields that differ, with each rank's value.
@@ -98,7 +115,7 @@ inline size_t carry_max(bool mk) { return mk ? kCarryMax : kCarryMaxGather; }
 class Agreement {
  public:
   Agreement(const Group& g, const char* op, std::vector<Field> fields, std::string local_error, uint64_t seq,
-            std::shared_ptr<AgreementBoard> board = nullptr, Carried carried = {});
+            std::shared_ptr<AgreementBoard> board = nullptr, Carried carried = {}, SideChannel side = {});
   ~Agreement();
   Agreement(Agreement&&) noexcept;
   Agreement& operator=(Agreement&&) = delete;
@@ -108,6 +125,8 @@ class Agreement {
   std::vector<std::vector<int64_t>> result();
   // The descriptors of this call travel on the group's agreement board (not as a collective).
   bool on_board() const;
+  // ... on the side channel (not through the backend).
+  bool on_side() const;
   // After result(): every rank carried its data in its agreement message (see Carried).
   bool carried() const;
   // After result() with carried(): what rank q (not this rank) sent to this rank, and how many bytes.
@@ -118,6 +137,10 @@ class Agreement {
   bool same_host() const;
   // Called with same_host() by result() once the agreement succeeded (the pipeline learns the group's layout).
   void on_result(std::function<void(bool same_host)> fn);
+  // Called with what the descriptors said of the side channel once they are in, whether or not the arguments
+  // matched (by result(), or by the destructor when result() was not called), so every rank takes the same
+  // step at the same call. Not on the board.
+  void on_side_words(std::function<void(const SideWords&)> fn);
 
   struct State;
 

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "kernels/agreement_board.h"
+#include "kernels/side_channel.h"
 #include "transport/comm.h"
 #include "transport/deadline.h"
 #include "transport/host.h"
@@ -69,6 +70,11 @@ struct GroupState {
   int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
   std::shared_ptr<AgreementBoard> board;  // the agreement board (group.h, agreement_board.h), once created
   bool board_tried = false;
+  // The agreement's side channel (side_channel.h), by the words of the last agreement: none yet (not wanted
+  // so far), to open at the next call, opened at this one (the next agreement says whether on every rank),
+  // in use, or never (a rank may not, every rank is on one host, or a rank could not open it).
+  enum class Side { none, open_next, opened, active, never } side = Side::none;
+  std::shared_ptr<Comm> side_comm;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
   std::unique_ptr<Lane> lane;  // mk: created by the first lane collective
@@ -364,6 +370,8 @@ std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, con
 
 Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error, Carried carried) {
   std::shared_ptr<AgreementBoard> board;
+  SideChannel side;
+  bool open_side = false;
   if (g_.size > 1) {
     std::lock_guard<std::mutex> lock(states_mu());
     auto& st = state_of(g_);
@@ -373,8 +381,42 @@ Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& lo
     }
     if (st.board && st.board->retired()) st.board.reset();
     board = st.board;
+    if (st.side == GroupState::Side::open_next) {
+      st.side = GroupState::Side::opened;  // (every rank opens at this call: the words of the last said so)
+      open_side = true;
+    }
+    side.may = st.side != GroupState::Side::never && side_channel_possible(g_);
+    side.comm = st.side_comm;
+    side.active = st.side == GroupState::Side::active;
   }
-  Agreement a(g_, op_, std::move(fields), local_error, seq_, std::move(board), std::move(carried));
+  if (open_side) {  // (outside the lock: a rendezvous through the store, up to kSideOpenTimeout)
+    side.comm = open_side_channel(g_);
+    std::lock_guard<std::mutex> lock(states_mu());
+    state_of(g_).side_comm = side.comm;
+  }
+  const bool decide_side = !g_.is_mk() && side.may && !side.active;
+  Agreement a(g_, op_, std::move(fields), local_error, seq_, std::move(board), std::move(carried), std::move(side));
+  if (decide_side) {
+    // the side channel's next step, from words every rank holds alike (side_channel.h)
+    a.on_side_words([key = key_of(g_)](const SideWords& w) {
+      std::shared_ptr<Comm> closing;  // (closed outside the lock: its destructor joins its threads)
+      {
+        std::lock_guard<std::mutex> lock(states_mu());
+        auto it = states().find(key);
+        if (it == states().end()) return;
+        GroupState& st = it->second;
+        using Side = GroupState::Side;
+        if (!w.all_may || w.one_host) {
+          st.side = Side::never;
+        } else if (st.side == Side::none) {
+          st.side = Side::open_next;
+        } else if (st.side == Side::opened) {
+          st.side = w.all_open ? Side::active : Side::never;
+        }
+        if (st.side == Side::never) closing = std::move(st.side_comm);
+      }
+    });
+  }
   if (!g_.is_mk()) {
     // what the group's layout is, for one_host() of later calls (mk knows its transports)
     auto key = key_of(g_);

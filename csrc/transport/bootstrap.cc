@@ -106,7 +106,7 @@ std::unique_ptr<Comm> Bootstrap::run(KeyValue& kv, int rank, int size, std::chro
     kv.set(cat("mk/shm/", rank), comm->shm_->descriptor());
   }
   if (!tcp_peers.empty()) {
-    listener = std::make_unique<TcpListener>(listen_address(/*loopback_only=*/remotes.empty()));
+    listener = std::make_unique<TcpListener>(listen_address(/*loopback_only=*/remotes.empty(), opt.ifname));
     kv.set(cat("mk/tcp/", rank), listener->address());
   }
 

@@ -22,6 +22,7 @@ struct BootstrapOptions {
   TransportMode mode = TransportMode::automatic;  // SUPERKERNEL_TRANSPORT
   ShmOptions shm;
   TcpOptions tcp;
+  std::string ifname;  // the interface TCP listens on (empty: SUPERKERNEL_SOCKET_IFNAME, else the first up)
   static BootstrapOptions from_env();
 };
 

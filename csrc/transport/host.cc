@@ -37,9 +37,9 @@ std::string host_identity() {
   return cat(host_name(), "/", boot, "/", netns);
 }
 
-std::string listen_address(bool loopback_only) {
+std::string listen_address(bool loopback_only, const std::string& ifname) {
   if (loopback_only) return "127.0.0.1";
-  const char* want = std::getenv("SUPERKERNEL_SOCKET_IFNAME");
+  const char* want = ifname.empty() ? std::getenv("SUPERKERNEL_SOCKET_IFNAME") : ifname.c_str();
   ifaddrs* raw = nullptr;
   MK_SYSCHECK(getifaddrs(&raw), "mk: getifaddrs");
   std::unique_ptr<ifaddrs, decltype(&freeifaddrs)> list(raw, &freeifaddrs);
@@ -56,7 +56,9 @@ std::string listen_address(bool loopback_only) {
     inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(it->ifa_addr)->sin_addr, addr, sizeof(addr));
     return addr;
   }
-  if (want && *want) throw Error(cat("mk: SUPERKERNEL_SOCKET_IFNAME=", want, " has no IPv4 address that is up"));
+  if (want && *want)
+    throw Error(cat("mk: ", ifname.empty() ? "SUPERKERNEL_SOCKET_IFNAME=" : "interface ", want,
+                    " has no IPv4 address that is up"));
   return "127.0.0.1";
 }
 

@@ -12,9 +12,10 @@ namespace mk {
 std::string host_identity();
 // Human-readable host name for messages and %info.
 std::string host_name();
-// IPv4 address for the TCP listener: $SUPERKERNEL_SOCKET_IFNAME's address when set, else the first
-// non-loopback interface that is up, else 127.0.0.1. `loopback_only` forces 127.0.0.1 (single-host jobs).
-std::string listen_address(bool loopback_only);
+// IPv4 address for the TCP listener: interface `ifname`'s address when given, else $SUPERKERNEL_SOCKET_IFNAME's
+// when set, else the first non-loopback interface that is up, else 127.0.0.1. `loopback_only` forces
+// 127.0.0.1 (single-host jobs).
+std::string listen_address(bool loopback_only, const std::string& ifname = {});
 // Online CPUs (for deciding how long to spin before sleeping).
 int online_cpus();
 // How long a wait for a peer on this host spins before it sleeps, with `local_ranks` ranks of the job on

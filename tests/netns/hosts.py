@@ -436,16 +436,18 @@ def job_env(host: NetnsHost, extra: Mapping[str, str] | None = None) -> dict[str
 
 def run_torch_job(hosts: TwoHosts, script: str, script_args: Sequence[str] = (), nproc_per_host: int = 2,
                   timeout: float = 120.0, env: Mapping[str, str] | None = None, master_port: int = 29500,
-                  python: str = sys.executable, rdzv: str = "static") -> list[ProcResult]:
+                  python: str = sys.executable, rdzv: str = "static",
+                  host_env: Sequence[Mapping[str, str]] = ()) -> list[ProcResult]:
     """Run ``script`` as one torch job of 2 × ``nproc_per_host`` ranks: torchrun in each host, rendezvous at
     host a's veth address. With ``rdzv="static"`` host a is node 0 (ranks 0..n-1) and host b node 1; with
     ``"c10d"`` torchrun's dynamic rendezvous assigns the node ranks. Returns one ProcResult per host (a
-    first). ``env`` adds variables for both hosts."""
+    first). ``env`` adds variables for both hosts, ``host_env`` (a's, b's) for one of them."""
     jobs = []
     for node_rank, host in enumerate(hosts.hosts):
         argv = torchrun_argv(script, script_args, 2, node_rank, nproc_per_host, hosts.a.address, master_port,
                              python, rdzv, run_id=f"{hosts.a.netns}-job")
-        jobs.append((host, argv, job_env(host, env)))
+        own = host_env[node_rank] if node_rank < len(host_env) else {}
+        jobs.append((host, argv, job_env(host, {**(env or {}), **own})))
     return hosts.run_parallel(jobs, timeout)
 
 
