@@ -1,6 +1,7 @@
 """Runs inside every rank of a world on one host (Gloo, or mk with ``--backend mk``): the fused ops' argument
 agreement on the shared-memory board (csrc/kernels/agreement_board.h) once the first agreements have set it
-up.
+up. Between two namespace hosts (tests/ops/test_side_channel.py), Gloo's agreement on its side channel
+(csrc/kernels/side_channel.h) instead.
 
 ``--mode agree``: six gemm_allreduce calls checked against float64; then shapes that differ between ranks,
 then ranks at different ops (rank 0 calls allgather_gemm, the others gemm_allreduce), each of which must
