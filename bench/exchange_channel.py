@@ -47,14 +47,18 @@ from fused_ops import interleaved_rounds, settled_start  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXCHANGE_BYTES = 384
 TOKEN_BYTES = 32
-CONNECT_TIMEOUT_S = 60.0
+SOCKET_TIMEOUT_S = 60.0  # the longest any wait on the script's own connections takes (a peer gone quiet)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """n bytes from sock; ConnectionError when the peer closes first."""
+    """n bytes from sock; ConnectionError when the peer closes first, TimeoutError when it stays quiet."""
     buf = bytearray()
     while len(buf) < n:
-        part = sock.recv(n - len(buf))
+        try:
+            part = sock.recv(n - len(buf))
+        except TimeoutError as e:
+            raise TimeoutError(f"peer {sock.getpeername()} sent {len(buf)} of {n} bytes "
+                               f"in {sock.gettimeout()} s") from e
         if not part:
             raise ConnectionError(f"peer {sock.getpeername()} closed after {len(buf)} of {n} bytes")
         buf += part
@@ -67,11 +71,10 @@ def accept_peer(listener: socket.socket, token: bytes, peers: set[int]) -> tuple
     while True:
         conn, addr = listener.accept()
         try:
-            conn.settimeout(CONNECT_TIMEOUT_S)
+            conn.settimeout(SOCKET_TIMEOUT_S)
             hello = recv_exact(conn, TOKEN_BYTES + 4)
             rank = int.from_bytes(hello[TOKEN_BYTES:], "little")
             if hmac.compare_digest(hello[:TOKEN_BYTES], token) and rank in peers:
-                conn.settimeout(None)
                 return rank, conn
             print(f"exchange_channel: refused a connection from {addr} (wrong token or rank {rank})",
                   file=sys.stderr)
@@ -97,16 +100,15 @@ def socket_mesh(store: dist.Store, rank: int, size: int, master_addr: str) -> di
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((source_address(master_addr), 0))
     listener.listen(size)
-    listener.settimeout(CONNECT_TIMEOUT_S)
+    listener.settimeout(SOCKET_TIMEOUT_S)
     host, port = listener.getsockname()
     store.set(f"exchange_channel/addr/{rank}", f"{host}:{port}")
     conns: dict[int, socket.socket] = {}
     try:
         for q in range(rank):
             qhost, qport = store.get(f"exchange_channel/addr/{q}").decode().rsplit(":", 1)
-            c = socket.create_connection((qhost, int(qport)), timeout=CONNECT_TIMEOUT_S)
+            c = socket.create_connection((qhost, int(qport)), timeout=SOCKET_TIMEOUT_S)
             c.sendall(token + rank.to_bytes(4, "little"))
-            c.settimeout(None)
             conns[q] = c
         expected = set(range(rank + 1, size))
         while expected:
