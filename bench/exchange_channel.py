@@ -14,6 +14,10 @@ size of an agreement descriptor):
 * ``gloo-sendrecv+unfused``: ``e`` through the backend's ``isend``/``irecv`` first (as the agreement sends it);
 * ``socket+unfused``: ``e`` through TCP connections of this script's own first (not the backend's; the
   connections are made once, each presenting a random token published through the job's store);
+* ``thread+unfused``: the same through a second set of such connections, received by a helper thread (as
+  mk's progress thread receives the side channel's messages); the caller waits for the helper's word;
+* ``thread-overlap``: ``e`` sent, the product, the helper's word, the allreduce: the fused op's order with one
+  chunk, its agreement received off the calling thread, with nothing of the op's own code;
 * ``fused-1``: ``gemm_allreduce`` with one chunk (its agreement, the product, the backend's allreduce);
 * ``fused-auto``: ``gemm_allreduce`` with the tuner's chunk count (tuned during the warm-up);
 * ``product``, ``allreduce``: the parts alone.
@@ -26,10 +30,12 @@ import argparse
 import hmac
 import json
 import os
+import queue
 import secrets
 import socket
 import statistics
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -90,23 +96,24 @@ def source_address(towards: str) -> str:
         return s.getsockname()[0]
 
 
-def socket_mesh(store: dist.Store, rank: int, size: int, master_addr: str) -> dict[int, socket.socket]:
+def socket_mesh(store: dist.Store, rank: int, size: int, master_addr: str, name: str = "exchange_channel"
+                ) -> dict[int, socket.socket]:
     """One TCP connection to every other rank, outside the backend: each rank listens on its address towards
     the master, lower ranks accept, higher ranks connect and present the job's token (set by rank 0 in the
-    store) and their rank."""
+    store) and their rank. ``name`` keeps the store keys of several meshes apart."""
     if rank == 0:
-        store.set("exchange_channel/token", secrets.token_bytes(TOKEN_BYTES).hex())
-    token = bytes.fromhex(store.get("exchange_channel/token").decode())
+        store.set(f"{name}/token", secrets.token_bytes(TOKEN_BYTES).hex())
+    token = bytes.fromhex(store.get(f"{name}/token").decode())
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((source_address(master_addr), 0))
     listener.listen(size)
     listener.settimeout(SOCKET_TIMEOUT_S)
     host, port = listener.getsockname()
-    store.set(f"exchange_channel/addr/{rank}", f"{host}:{port}")
+    store.set(f"{name}/addr/{rank}", f"{host}:{port}")
     conns: dict[int, socket.socket] = {}
     try:
         for q in range(rank):
-            qhost, qport = store.get(f"exchange_channel/addr/{q}").decode().rsplit(":", 1)
+            qhost, qport = store.get(f"{name}/addr/{q}").decode().rsplit(":", 1)
             c = socket.create_connection((qhost, int(qport)), timeout=SOCKET_TIMEOUT_S)
             c.sendall(token + rank.to_bytes(4, "little"))
             conns[q] = c
@@ -122,8 +129,49 @@ def socket_mesh(store: dist.Store, rank: int, size: int, master_addr: str) -> di
     return conns
 
 
-def variants(m: int, k: int, n: int, dtype: torch.dtype, conns: dict[int, socket.socket]
-             ) -> dict[str, Callable[[], Any]]:
+class Receiver:
+    """A helper thread that receives one ``EXCHANGE_BYTES`` message from every peer of ``conns`` per exchange
+    and then says so; ``wait()`` takes that word (a peer gone quiet for ``SOCKET_TIMEOUT_S``: TimeoutError
+    naming it). The thread ends when a connection closes."""
+
+    def __init__(self, conns: dict[int, socket.socket]) -> None:
+        self._conns = conns
+        self._words: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="exchange_channel-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for q, c in self._conns.items():
+                got = 0
+                while got < EXCHANGE_BYTES:
+                    try:
+                        part = c.recv(EXCHANGE_BYTES - got)
+                    except TimeoutError:
+                        if got == 0:
+                            continue  # idle between exchanges (the caller's wait has its own timeout)
+                        part, err = b"", f"quiet for {c.gettimeout()} s after {got} of {EXCHANGE_BYTES} bytes"
+                    except OSError as e:
+                        part, err = b"", str(e)
+                    else:
+                        err = f"closed after {got} of {EXCHANGE_BYTES} bytes"
+                    if not part:
+                        self._words.put(ConnectionError(f"rank {q}'s connection ended: {err}"))
+                        return
+                    got += len(part)
+            self._words.put(None)
+
+    def wait(self) -> None:
+        try:
+            word = self._words.get(timeout=SOCKET_TIMEOUT_S)
+        except queue.Empty:
+            raise TimeoutError(f"no exchange from ranks {sorted(self._conns)} within {SOCKET_TIMEOUT_S} s") from None
+        if word is not None:
+            raise word
+
+
+def variants(m: int, k: int, n: int, dtype: torch.dtype, conns: dict[int, socket.socket],
+             thread_conns: dict[int, socket.socket]) -> dict[str, Callable[[], Any]]:
     R, r = dist.get_world_size(), dist.get_rank()
     a = torch.randn(m, k, generator=torch.Generator().manual_seed(r)).to(dtype)
     b = torch.randn(k, n, generator=torch.Generator().manual_seed(100 + r)).to(dtype)
@@ -155,8 +203,25 @@ def variants(m: int, k: int, n: int, dtype: torch.dtype, conns: dict[int, socket
             recv_exact(c, EXCHANGE_BYTES)
         return unfused()
 
+    receiver = Receiver(thread_conns)
+
+    def thread_exchange() -> torch.Tensor:
+        for c in thread_conns.values():
+            c.sendall(payload)
+        receiver.wait()
+        return unfused()
+
+    def thread_overlap() -> torch.Tensor:
+        for c in thread_conns.values():
+            c.sendall(payload)
+        torch.mm(a, b, out=out)
+        receiver.wait()
+        dist.all_reduce(out)
+        return out
+
     return {"unfused": unfused, "gloo-allreduce+unfused": gloo_allreduce, "gloo-sendrecv+unfused": gloo_sendrecv,
-            "socket+unfused": socket_exchange, "fused-1": lambda: mk.gemm_allreduce(a, b, chunks=1),
+            "socket+unfused": socket_exchange, "thread+unfused": thread_exchange, "thread-overlap": thread_overlap,
+            "fused-1": lambda: mk.gemm_allreduce(a, b, chunks=1),
             "fused-auto": lambda: mk.gemm_allreduce(a, b), "product": lambda: torch.mm(a, b, out=out),
             "allreduce": lambda: dist.all_reduce(out)}
 
@@ -183,9 +248,11 @@ def main() -> None:
         os.sched_setaffinity(0, {cpus[int(os.environ["RANK"]) % len(cpus)]})
     dist.init_process_group(args.backend)
     R, r = dist.get_world_size(), dist.get_rank()
-    conns = socket_mesh(dist.distributed_c10d._get_default_store(), r, R, os.environ["MASTER_ADDR"])
+    store = dist.distributed_c10d._get_default_store()
+    conns = socket_mesh(store, r, R, os.environ["MASTER_ADDR"])
+    thread_conns = socket_mesh(store, r, R, os.environ["MASTER_ADDR"], name="exchange_channel/thread")
     m, k, n = (int(x) for x in args.shape.split("x"))
-    fns = variants(m, k, n, DTYPES[args.dtype], conns)
+    fns = variants(m, k, n, DTYPES[args.dtype], conns, thread_conns)
     for fn in fns.values():
         for _ in range(args.warmup):
             settled_start(dist, 0.0)
@@ -207,7 +274,7 @@ def main() -> None:
             {"backend": args.backend, "shape": args.shape, "dtype": args.dtype, "rounds": args.rounds,
              "settle_ms": args.settle_ms, "pin": args.pin, "hosts": args.hosts_desc, "stats": stats}, indent=1),
             encoding="utf-8")
-    for c in conns.values():
+    for c in [*conns.values(), *thread_conns.values()]:
         c.close()
     dist.destroy_process_group()
 

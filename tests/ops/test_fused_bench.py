@@ -112,8 +112,9 @@ def test_gather_paths_bench_runs(tmp_path: Path, settle: str) -> None:
 
 
 def test_exchange_channel_bench_runs(tmp_path: Path) -> None:
-    """bench/exchange_channel.py (a small exchange through Gloo or through its own TCP connections before
-    gemm_allreduce's unfused composition) runs on 2 Gloo ranks, prints every variant and writes them to JSON."""
+    """bench/exchange_channel.py (a small exchange through Gloo or through its own TCP connections, received on
+    the calling thread or on a helper thread, before gemm_allreduce's unfused composition) runs on 2 Gloo ranks,
+    prints every variant and writes them to JSON."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
             str(ROOT / "bench" / "exchange_channel.py"), "--shape", "24x8x16", "--rounds", "3", "--warmup", "2",
@@ -121,8 +122,8 @@ def test_exchange_channel_bench_runs(tmp_path: Path) -> None:
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc = json.loads((tmp_path / "exchange-channel-t.json").read_text(encoding="utf-8"))
-    want = {"unfused", "gloo-allreduce+unfused", "gloo-sendrecv+unfused", "socket+unfused", "fused-1", "fused-auto",
-            "product", "allreduce"}
+    want = {"unfused", "gloo-allreduce+unfused", "gloo-sendrecv+unfused", "socket+unfused", "thread+unfused",
+            "thread-overlap", "fused-1", "fused-auto", "product", "allreduce"}
     assert doc["backend"] == "gloo" and set(doc["stats"]) == want, doc
     assert all(v["median_ms"] > 0 and v["p75_ms"] >= v["median_ms"] for v in doc["stats"].values()), doc
     for name in want:
@@ -178,3 +179,28 @@ def test_settled_start_waits_for_every_rank_before_the_settle(monkeypatch: pytes
     monkeypatch.setattr(fused_ops, "settle", settle)
     fused_ops.settled_start(Dist(), seconds, sleep)
     assert events == (["barrier", f"settle {seconds} {sleep}", "barrier"] if seconds > 0 else ["barrier"])
+
+
+def test_exchange_channel_receiver_reports_each_exchange_and_the_peer_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper thread of the thread variants: wait() returns once every peer's message came, times out
+    naming the ranks when none comes, and raises naming the rank whose connection ended."""
+    import socket
+
+    from bench import exchange_channel as ec
+
+    mine, theirs = socket.socketpair()
+    try:
+        receiver = ec.Receiver({1: mine})
+        theirs.sendall(bytes(ec.EXCHANGE_BYTES))
+        receiver.wait()
+        monkeypatch.setattr(ec, "SOCKET_TIMEOUT_S", 0.2)
+        with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
+            receiver.wait()
+        theirs.sendall(bytes(ec.EXCHANGE_BYTES // 2))  # half a message, then the peer goes
+        theirs.close()
+        monkeypatch.setattr(ec, "SOCKET_TIMEOUT_S", 10.0)
+        with pytest.raises(ConnectionError, match="rank 1's connection ended"):
+            receiver.wait()
+    finally:
+        mine.close()
+        theirs.close()
