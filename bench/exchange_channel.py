@@ -14,6 +14,8 @@ size of an agreement descriptor):
 * ``gloo-sendrecv+unfused``: ``e`` through the backend's ``isend``/``irecv`` first (as the agreement sends it);
 * ``socket+unfused``: ``e`` through TCP connections of this script's own first (not the backend's; the
   connections are made once, each presenting a random token published through the job's store);
+* ``socket-overlap``: ``e`` sent, the product, ``e`` received on the calling thread (it waited in the socket
+  meanwhile), the allreduce;
 * ``thread+unfused``: the same through a second set of such connections, received by a helper thread (as
   mk's progress thread receives the side channel's messages); the caller waits for the helper's word;
 * ``thread-overlap``: ``e`` sent, the product, the helper's word, the allreduce: the fused op's order with one
@@ -203,6 +205,15 @@ def variants(m: int, k: int, n: int, dtype: torch.dtype, conns: dict[int, socket
             recv_exact(c, EXCHANGE_BYTES)
         return unfused()
 
+    def socket_overlap() -> torch.Tensor:
+        for c in conns.values():
+            c.sendall(payload)
+        torch.mm(a, b, out=out)
+        for c in conns.values():
+            recv_exact(c, EXCHANGE_BYTES)
+        dist.all_reduce(out)
+        return out
+
     receiver = Receiver(thread_conns)
 
     def thread_exchange() -> torch.Tensor:
@@ -220,7 +231,8 @@ def variants(m: int, k: int, n: int, dtype: torch.dtype, conns: dict[int, socket
         return out
 
     return {"unfused": unfused, "gloo-allreduce+unfused": gloo_allreduce, "gloo-sendrecv+unfused": gloo_sendrecv,
-            "socket+unfused": socket_exchange, "thread+unfused": thread_exchange, "thread-overlap": thread_overlap,
+            "socket+unfused": socket_exchange, "socket-overlap": socket_overlap, "thread+unfused": thread_exchange,
+            "thread-overlap": thread_overlap,
             "fused-1": lambda: mk.gemm_allreduce(a, b, chunks=1),
             "fused-auto": lambda: mk.gemm_allreduce(a, b), "product": lambda: torch.mm(a, b, out=out),
             "allreduce": lambda: dist.all_reduce(out)}

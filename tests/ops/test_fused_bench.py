@@ -122,8 +122,8 @@ def test_exchange_channel_bench_runs(tmp_path: Path) -> None:
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc = json.loads((tmp_path / "exchange-channel-t.json").read_text(encoding="utf-8"))
-    want = {"unfused", "gloo-allreduce+unfused", "gloo-sendrecv+unfused", "socket+unfused", "thread+unfused",
-            "thread-overlap", "fused-1", "fused-auto", "product", "allreduce"}
+    want = {"unfused", "gloo-allreduce+unfused", "gloo-sendrecv+unfused", "socket+unfused", "socket-overlap",
+            "thread+unfused", "thread-overlap", "fused-1", "fused-auto", "product", "allreduce"}
     assert doc["backend"] == "gloo" and set(doc["stats"]) == want, doc
     assert all(v["median_ms"] > 0 and v["p75_ms"] >= v["median_ms"] for v in doc["stats"].values()), doc
     for name in want:
