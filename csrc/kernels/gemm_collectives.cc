@@ -53,6 +53,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -263,9 +264,10 @@ RingRows ring_rows(const Group& g, const Pipeline& p) {
 // the exchange of descriptors then costs nothing on the critical path.
 class GemmAgreement {
  public:
+  // `may_ride`: the call may ride an armed group's folded agreement (Pipeline::fold_rides; see rides()).
   GemmAgreement(Pipeline& p, const at::Tensor& a, const char* k_name, bool k_must_match, int64_t m, int64_t k,
                 int64_t n, bool n_must_match, int64_t requested, ChunkModel model, const std::string& err,
-                std::vector<Field> extra = {}, Carried carried = {})
+                std::vector<Field> extra = {}, Carried carried = {}, bool may_ride = false)
       : p_(p), dtype_(a.scalar_type()), k_name_(k_name), m_(m), k_(k), n_(n), requested_(requested) {
     model.dtype = a.scalar_type();
     // (a call that carries its payload has no chunks: 1 if it falls back, without consulting the tuner)
@@ -277,8 +279,38 @@ class GemmAgreement {
     for (const Field& f : p.tuner_fields()) fields.push_back(f);
     fields.push_back({"chunks", proposal_, false});
     if (Pipeline::tracing())  // (only for the trace line: formatting them took ~2.5 us per call)
-      for (const auto& f : extra) extra_ += c10::str(" ", f.name, "=", f.value);
+      for (const auto& f : extra)
+        if (std::strncmp(f.name, "SUPERKERNEL_", 12) != 0) extra_ += c10::str(" ", f.name, "=", f.value);
+    if (may_ride && err.empty() && carried.bytes == 0) {
+      std::vector<int64_t> values;
+      values.reserve(fields.size());
+      for (const Field& f : fields) values.push_back(f.value);
+      if (p.fold_rides(Pipeline::fold_key(p.op(), values), &plan_)) {
+        fields_ = std::move(fields);  // (for agree_now(), should a rank not ride)
+        return;
+      }
+    }
     agreement_.emplace(p.start_agree(std::move(fields), err, std::move(carried)));
+  }
+  // This call rides the group's folded agreement: no agreement is in flight; the op sends fold_plan()'s
+  // allreduce with Pipeline::fold_buffer's header, and after Pipeline::fold_landed is false, agree_now().
+  bool rides() const { return !agreement_.has_value(); }
+  const Pipeline::FoldPlan& fold_plan() const { return plan_; }
+  void agree_now() {
+    TORCH_INTERNAL_ASSERT(rides(), "mk ", p_.op(), ": agree_now() on a call that agreed");
+    agreement_.emplace(p_.start_agree(std::move(fields_), ""));
+  }
+  void trace_ride() const {
+    p_.trace("m=", m_, " ", k_name_, "=", k_, " n=", n_, " ", dtype_, " chunks=1 (proposed ", chunks_name(proposal_),
+             requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
+             " agreement=fold");
+  }
+  // After chunks(): every rank's descriptor hash (Pipeline::fold_key of its fields), for Pipeline::fold_note.
+  std::vector<uint64_t> fold_keys() const {
+    std::vector<uint64_t> keys;
+    keys.reserve(all_.size());
+    for (const auto& row : all_) keys.push_back(Pipeline::fold_key(p_.op(), row));
+    return keys;
   }
   // This rank's own proposal (the agreed count is rank 0's; they differ only when ranks request different ones).
   int64_t proposal() const { return proposal_; }
@@ -339,6 +371,8 @@ class GemmAgreement {
  private:
   static constexpr size_t kFirstExtra = 4;  // after m, k, n and dtype
   Pipeline& p_;
+  std::vector<Field> fields_;  // (riding: kept for agree_now())
+  Pipeline::FoldPlan plan_;    // (riding)
   at::ScalarType dtype_;
   const char* k_name_;
   int64_t m_, k_, n_, requested_, proposal_ = 1;
@@ -780,9 +814,30 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     carried.bytes = size_t(own.nbytes());
     carried.data = [&own](int) { return own.data_ptr(); };
   }
+  // (riding an armed group's folded agreement, see Pipeline::fold_note: other backends, CPU tensors)
+  const bool may_ride = !g.is_mk() && g.device.is_cpu() && R > 1;
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
-                   {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false}},
-                   std::move(carried));
+                   {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false},
+                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
+                   std::move(carried), may_ride);
+  if (ga.rides()) {
+    // The call the group armed with, again on this rank (same descriptor): its product and the one allreduce
+    // that call made, with the header that tells whether every rank rode it.
+    const Pipeline::FoldPlan plan = ga.fold_plan();
+    TORCH_INTERNAL_ASSERT(plan.elems == m * n, "mk ", op, ": rank ", g.rank, ": the folded call's payload has ",
+                          plan.elems, " elements, this call's product ", m * n);
+    prepare();
+    at::Tensor buf = p.fold_buffer(plan, a.options());
+    at::Tensor payload = buf.narrow(0, 0, m * n).view({m, n});
+    prod->into(payload, a);
+    p.publish(payload);
+    p.allreduce(buf).wait();
+    if (p.fold_landed(buf, plan)) {
+      ga.trace_ride();
+      return plan.dtype == a_in.scalar_type() ? payload : payload.to(a_in.scalar_type());
+    }
+    ga.agree_now();  // a rank did not ride this call: every rank agrees as usual (the product is made again)
+  }
   // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
@@ -909,6 +964,10 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
         if (half && !mk_half) out.narrow(0, lo, hi - lo).copy_(acc.narrow(0, lo, hi - lo));
       },
       /*depth=*/int(ranges.size()) + 1);
+  // One allreduce of the whole product, every rank allowing the fold, across hosts: a call the group may arm
+  // with (every input here is agreed, so every rank notes alike).
+  if (may_ride && ranges.size() == 1 && (pair_chunk(m) || !sum_here) && !p.one_host() && ga.extra_min(2) == 1)
+    p.fold_note(ga.fold_keys(), {m * n, term.scalar_type()});
   return out;
 }
 

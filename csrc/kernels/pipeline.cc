@@ -3,6 +3,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -75,6 +76,18 @@ struct GroupState {
   // in use, or never (a rank may not, every rank is on one host, or a rank could not open it).
   enum class Side { none, open_next, opened, active, never } side = Side::none;
   std::shared_ptr<Comm> side_comm;
+  // The folded agreement (pipeline.h, Pipeline::fold_note): what the group armed with, and the streak toward it.
+  struct Fold {
+    bool armed = false;
+    std::vector<uint64_t> keys;  // every rank's descriptor hash of the noted call
+    Pipeline::FoldPlan plan;
+    uint64_t last_seq = ~uint64_t(0);  // the call noted last
+    int streak = 0;                    // noted calls in a row with the same keys and plan
+    int need = 2;                      // streak that arms; doubled by every disarming (at most kFoldNeedMost),
+                                       // back to 2 once as many calls rode in a row
+    int rode = 0;                      // calls that rode since the group armed
+    uint64_t gen = 0;                  // hash of the armed state (keys, plan, the call that armed it)
+  } fold;
   double bw = 0;       // bytes/s, EWMA of the lane's collectives (0 = not measured yet)
   double latency = 0;  // seconds per message
   std::unique_ptr<Lane> lane;  // mk: created by the first lane collective
@@ -368,7 +381,142 @@ std::vector<std::vector<int64_t>> Pipeline::agree(std::vector<Field> fields, con
   return start_agree(std::move(fields), local_error).result();
 }
 
+// ---------------------------------------------------------------- the folded agreement
+
+namespace {
+constexpr int kFoldSlot = 9;            // a flag and 8 bytes per rank
+constexpr int kFoldNeedMost = 64;
+constexpr int64_t kFoldRides = 1, kFoldVetoes = 2;
+
+void disarm(GroupState::Fold& f) {
+  f.armed = false;
+  f.streak = 0;
+  f.last_seq = ~uint64_t(0);
+  f.need = std::min(f.need * 2, kFoldNeedMost);
+}
+
+// This rank's word for call `seq` of an armed group: `flag`, then the bytes of a hash of the armed state and
+// the call number, each a small integer (exact in every float type, and in a sum with zeros).
+std::vector<float> fold_word(int64_t flag, uint64_t gen, uint64_t seq) {
+  std::vector<float> w(kFoldSlot);
+  w[0] = float(flag);
+  const uint64_t h = mix64(gen, seq);
+  for (int i = 0; i < 8; ++i) w[size_t(1 + i)] = float((h >> (8 * i)) & 0xff);
+  return w;
+}
+
+at::Tensor fold_header_buffer(const Pipeline::FoldPlan& plan, int size, int rank, const std::vector<float>& word,
+                              const at::TensorOptions& opts) {
+  at::Tensor buf = at::empty({plan.elems + int64_t(size) * kFoldSlot}, opts.dtype(plan.dtype));
+  buf.narrow(0, plan.elems, int64_t(size) * kFoldSlot).zero_();
+  at::Tensor mine = at::from_blob(const_cast<float*>(word.data()), {kFoldSlot}, at::TensorOptions().dtype(at::kFloat));
+  buf.narrow(0, plan.elems + int64_t(rank) * kFoldSlot, kFoldSlot).copy_(mine);
+  return buf;
+}
+}  // namespace
+
+uint64_t Pipeline::fold_key(const char* op, const std::vector<int64_t>& values) {
+  uint64_t h = 0x6d6b666f6c64ull;  // "mkfold"
+  for (const char* c = op; *c; ++c) h = mix64(h, uint64_t(uint8_t(*c)));
+  for (int64_t v : values) h = mix64(h, uint64_t(v));
+  return h;
+}
+
+bool Pipeline::fold_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("SUPERKERNEL_OPS_FOLD");
+    return !(v && std::string(v) == "0");
+  }();
+  return allowed;
+}
+
+bool Pipeline::fold_rides(uint64_t key, FoldPlan* plan) {
+  if (g_.size < 2 || g_.is_mk()) return false;
+  std::lock_guard<std::mutex> lock(states_mu());
+  const auto& f = state_of(g_).fold;
+  if (!f.armed || size_t(g_.rank) >= f.keys.size() || f.keys[size_t(g_.rank)] != key) return false;
+  *plan = f.plan;
+  return true;
+}
+
+at::Tensor Pipeline::fold_buffer(const FoldPlan& plan, const at::TensorOptions& opts) {
+  uint64_t gen = 0;
+  {
+    std::lock_guard<std::mutex> lock(states_mu());
+    gen = state_of(g_).fold.gen;
+  }
+  return fold_header_buffer(plan, g_.size, g_.rank, fold_word(kFoldRides, gen, seq_), opts);
+}
+
+bool Pipeline::fold_landed(const at::Tensor& buf, const FoldPlan& plan) {
+  std::lock_guard<std::mutex> lock(states_mu());
+  auto& f = state_of(g_).fold;
+  const std::vector<float> mine = fold_word(kFoldRides, f.gen, seq_);
+  const at::Tensor header = buf.narrow(0, plan.elems, int64_t(g_.size) * kFoldSlot).to(at::kFloat).contiguous();
+  const float* h = header.data_ptr<float>();
+  int vetoed = -1, differs = -1;
+  for (int q = 0; q < g_.size; ++q) {
+    const float* w = h + size_t(q) * kFoldSlot;
+    if (w[0] != float(kFoldRides)) {
+      if (vetoed < 0) vetoed = q;
+    } else if (!std::equal(w + 1, w + kFoldSlot, mine.begin() + 1)) {
+      if (differs < 0) differs = q;
+    }
+  }
+  if (vetoed < 0 && differs < 0) {
+    f.last_seq = seq_;
+    if (++f.rode == f.need) f.need = 2;  // (the fold paid for its arming: a later change re-arms soon)
+    return true;
+  }
+  disarm(f);
+  if (tracing())
+    emit_trace(vetoed >= 0 ? c10::str("fold: rank ", vetoed, " did not ride call ", seq_, "; agreeing as usual")
+                           : c10::str("fold: rank ", differs, " rode another call or state at call ", seq_,
+                                      "; agreeing as usual"));
+  return false;
+}
+
+void Pipeline::fold_note(const std::vector<uint64_t>& keys, const FoldPlan& plan) {
+  if (g_.size < 2 || g_.is_mk() || !g_.device.is_cpu()) return;
+  std::lock_guard<std::mutex> lock(states_mu());
+  auto& st = state_of(g_);
+  auto& f = st.fold;
+  if (f.armed) return;  // (a call that rode: nothing to note)
+  const bool same = f.last_seq != ~uint64_t(0) && f.last_seq + 1 == seq_ && f.keys == keys &&
+                    f.plan.elems == plan.elems && f.plan.dtype == plan.dtype;
+  f.streak = same ? f.streak + 1 : 1;
+  f.keys = keys;
+  f.plan = plan;
+  f.last_seq = seq_;
+  const bool side_settled = st.side == GroupState::Side::active || st.side == GroupState::Side::never;
+  if (f.streak < f.need || !side_settled) return;
+  f.armed = true;
+  f.rode = 0;
+  f.gen = mix64(mix64(mix64(0x61726d6564ull, seq_), uint64_t(plan.elems)), uint64_t(plan.dtype));
+  for (uint64_t k : keys) f.gen = mix64(f.gen, k);
+  if (tracing()) emit_trace(c10::str("fold: armed after call ", seq_, " (", f.streak, " alike)"));
+}
+
+void Pipeline::fold_veto() {
+  FoldPlan plan;
+  uint64_t gen = 0;
+  {
+    std::lock_guard<std::mutex> lock(states_mu());
+    auto& f = state_of(g_).fold;
+    if (!f.armed) return;
+    plan = f.plan;
+    gen = f.gen;
+    disarm(f);  // (first: whatever the allreduce does, this rank agrees as usual from now on)
+  }
+  trace("fold: call ", seq_, " does not ride; sending the armed allreduce with its veto");
+  at::Tensor buf = fold_header_buffer(plan, g_.size, g_.rank, fold_word(kFoldVetoes, gen, seq_),
+                                      at::TensorOptions().device(g_.device));
+  buf.narrow(0, 0, plan.elems).zero_();
+  allreduce(buf).wait();
+}
+
 Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error, Carried carried) {
+  if (g_.size > 1 && !g_.is_mk()) fold_veto();  // (an armed group: this call does not ride)
   std::shared_ptr<AgreementBoard> board;
   SideChannel side;
   bool open_side = false;

@@ -202,6 +202,38 @@ class Pipeline {
   // calls), and this call's duration (when the Pipeline is destroyed without an exception) waits for the next.
   void use_chunks(int64_t agreed, const std::vector<std::vector<int64_t>>& all, size_t tuner_at);
 
+  // The folded agreement (other backends, CPU tensors, ranks on more than one host). An op whose call is one
+  // allreduce of its whole result (gemm_allreduce with one chunk) notes each such call that every rank made
+  // with descriptors of the same hash as its previous call, right after it (fold_note, with every rank's
+  // descriptor hash, fold_key). Once a group has seen `need` of them in a row (2 at first) with the
+  // agreement's side channel settled, it is armed, alike on every rank (every input is agreed): the next call
+  // whose descriptor hashes as this rank's did rides (fold_rides: no agreement messages), and its allreduce
+  // carries, after the payload, a header with one slot per rank (fold_buffer: a flag, ride or veto, and 8
+  // bytes of a hash of the armed state and the call number, as small integers every float type holds
+  // exactly; the other ranks' slots zero, so the sum is every rank's word). fold_landed() reads the sum: every
+  // rank rode the same call, or the group disarms and the op agrees as usual (every rank learns it from the
+  // same header). Any other call on an armed group (another op, other shapes, an argument error) first sends
+  // the armed allreduce with its veto (start_agree does), disarms and agrees as usual; so ranks that called
+  // different things get the usual error, never allreduces of different sizes (Gloo aborts on those).
+  // Each disarming doubles `need` (at most 64), so a loop that changes calls often stops arming; once `need`
+  // calls rode in a row it is 2 again.
+  // SUPERKERNEL_OPS_FOLD=0 on any rank keeps its group from arming (the op puts it in its descriptor).
+  struct FoldPlan {
+    int64_t elems = 0;  // payload elements before the header
+    at::ScalarType dtype = at::kFloat;
+  };
+  static uint64_t fold_key(const char* op, const std::vector<int64_t>& values);
+  static bool fold_allowed();  // SUPERKERNEL_OPS_FOLD is not 0 (read once)
+  // Armed, and this call's descriptor hashes as this rank's did when the group armed: it rides. The plan is
+  // the armed call's payload.
+  bool fold_rides(uint64_t key, FoldPlan* plan);
+  // (riding) zeros for the header after `plan.elems` payload elements, this rank's word in its slot
+  at::Tensor fold_buffer(const FoldPlan& plan, const at::TensorOptions& opts);
+  // (riding) after the allreduce of fold_buffer(): true when every rank rode this call; else the group is
+  // disarmed (on every rank: they read the same header).
+  bool fold_landed(const at::Tensor& buf, const FoldPlan& plan);
+  void fold_note(const std::vector<uint64_t>& keys, const FoldPlan& plan);
+
   // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.
   // On mk: straight to the transport, completed by its progress threads (rings: post every recv up front).
   // On other backends: c10d send/recv (Gloo: fine for rings; NCCL: unbatched p2p calls are serialised on one
@@ -327,6 +359,7 @@ class Pipeline {
   std::chrono::steady_clock::time_point started_;
   Tuner* tuner_ = nullptr;  // set by chunks() for automatic counts; owned by the group's state
   int64_t chunks_used_ = 0;
+  void fold_veto();  // start_agree on an armed group, for a call that does not ride
   void emit_trace(const std::string& line) const;
   mutable int8_t in_place_env_ = -1;  // SUPERKERNEL_OPS_IN_PLACE as this call read it (-1: not yet)
   bool inline_ = false;  // the next lane collective runs on the caller's thread (lane idle, nothing to overlap)
