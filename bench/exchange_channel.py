@@ -20,7 +20,9 @@ size of an agreement descriptor):
   mk's progress thread receives the side channel's messages); the caller waits for the helper's word;
 * ``thread-overlap``: ``e`` sent, the product, the helper's word, the allreduce: the fused op's order with one
   chunk, its agreement received off the calling thread, with nothing of the op's own code;
-* ``fused-1``: ``gemm_allreduce`` with one chunk (its agreement, the product, the backend's allreduce);
+* ``fused-1``: ``gemm_allreduce`` with one chunk (its agreement, the product, the backend's allreduce; once
+  the group has armed the folded agreement, csrc/kernels/pipeline.h, no agreement: measure with
+  ``SUPERKERNEL_OPS_FOLD=0`` for the agreement's cost);
 * ``fused-auto``: ``gemm_allreduce`` with the tuner's chunk count (tuned during the warm-up);
 * ``product``, ``allreduce``: the parts alone.
 
@@ -133,8 +135,8 @@ def socket_mesh(store: dist.Store, rank: int, size: int, master_addr: str, name:
 
 class Receiver:
     """A helper thread that receives one ``EXCHANGE_BYTES`` message from every peer of ``conns`` per exchange
-    and then says so; ``wait()`` takes that word (a peer gone quiet for ``SOCKET_TIMEOUT_S``: TimeoutError
-    naming it). The thread ends when a connection closes."""
+    and then says so; ``wait()`` takes that word (none within ``SOCKET_TIMEOUT_S``: TimeoutError naming the
+    ranks; a connection that ended: ConnectionError naming its rank). The thread ends with a connection."""
 
     def __init__(self, conns: dict[int, socket.socket]) -> None:
         self._conns = conns

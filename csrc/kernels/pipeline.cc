@@ -449,26 +449,29 @@ at::Tensor Pipeline::fold_buffer(const FoldPlan& plan, const at::TensorOptions& 
 }
 
 bool Pipeline::fold_landed(const at::Tensor& buf, const FoldPlan& plan) {
-  std::lock_guard<std::mutex> lock(states_mu());
-  auto& f = state_of(g_).fold;
-  const std::vector<float> mine = fold_word(kFoldRides, f.gen, seq_);
+  // (the header read outside the lock: an ATen op, and states_mu() is every group's)
   const at::Tensor header = buf.narrow(0, plan.elems, int64_t(g_.size) * kFoldSlot).to(at::kFloat).contiguous();
   const float* h = header.data_ptr<float>();
   int vetoed = -1, differs = -1;
-  for (int q = 0; q < g_.size; ++q) {
-    const float* w = h + size_t(q) * kFoldSlot;
-    if (w[0] != float(kFoldRides)) {
-      if (vetoed < 0) vetoed = q;
-    } else if (!std::equal(w + 1, w + kFoldSlot, mine.begin() + 1)) {
-      if (differs < 0) differs = q;
+  {
+    std::lock_guard<std::mutex> lock(states_mu());
+    auto& f = state_of(g_).fold;
+    const std::vector<float> mine = fold_word(kFoldRides, f.gen, seq_);
+    for (int q = 0; q < g_.size; ++q) {
+      const float* w = h + size_t(q) * kFoldSlot;
+      if (w[0] != float(kFoldRides)) {
+        if (vetoed < 0) vetoed = q;
+      } else if (!std::equal(w + 1, w + kFoldSlot, mine.begin() + 1)) {
+        if (differs < 0) differs = q;
+      }
     }
+    if (vetoed < 0 && differs < 0) {
+      f.last_seq = seq_;
+      if (++f.rode == f.need) f.need = 2;  // (the fold paid for its arming: a later change re-arms soon)
+      return true;
+    }
+    disarm(f);
   }
-  if (vetoed < 0 && differs < 0) {
-    f.last_seq = seq_;
-    if (++f.rode == f.need) f.need = 2;  // (the fold paid for its arming: a later change re-arms soon)
-    return true;
-  }
-  disarm(f);
   if (tracing())
     emit_trace(vetoed >= 0 ? c10::str("fold: rank ", vetoed, " did not ride call ", seq_, "; agreeing as usual")
                            : c10::str("fold: rank ", differs, " rode another call or state at call ", seq_,
