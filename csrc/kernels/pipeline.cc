@@ -466,7 +466,6 @@ bool Pipeline::fold_landed(const at::Tensor& buf, const FoldPlan& plan) {
       }
     }
     if (vetoed < 0 && differs < 0) {
-      f.last_seq = seq_;
       if (++f.rode == f.need) f.need = 2;  // (the fold paid for its arming: a later change re-arms soon)
       return true;
     }

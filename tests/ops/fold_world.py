@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import superkernel.ops as mk
+from board_world import error_of  # (same directory: the script's own, first on sys.path)
 
 M, K, N = 256, 16, 1024  # fp32 product 1 MiB, bf16 512 KiB per half: beyond what rides inside an agreement
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -63,14 +64,6 @@ class World:
             if got.dtype != dtype or tuple(got.shape) != (m, n) or \
                     (got.double() - want).abs().max().item() > TOL[dtype] * max(scale, 1.0):
                 self.wrong.append(f"{phase} call {self.calls}")
-
-
-def error_of(fn) -> str | None:
-    try:
-        fn()
-    except RuntimeError as e:
-        return str(e)
-    return None
 
 
 def main() -> None:
