@@ -585,7 +585,7 @@ PYBIND11_MODULE(_C, m) {
       [](size_t candidates) {
         using mk::kernels::Tuner;
         return py::dict(py::arg("trials") = Tuner::kTrials, py::arg("final_trials") = Tuner::kFinalTrials,
-                        py::arg("drop_ratio") = Tuner::kDropRatio,
+                        py::arg("drop_ratio") = Tuner::kDropRatio, py::arg("confidence_z") = Tuner::kConfidenceZ,
                         py::arg("most_calls") = Tuner::most_calls(candidates),
                         py::arg("plain_path") = mk::kernels::kPlainPath,
                         py::arg("most_candidates") = Tuner::kMostCandidates);

@@ -668,20 +668,50 @@ int64_t Tuner::next() const {
   for (size_t i = 0; i < candidates.size(); ++i)
     if (wanted(i) > 0 && (pick == candidates.size() || made(i) < made(pick))) pick = i;
   // (none wanted: the last timing is still on its way; the leader so far)
-  return candidates[pick == candidates.size() ? lowest_median() : pick];
+  return candidates[pick == candidates.size() ? kept() : pick];
+}
+
+namespace {
+bool fewer_chunks(int64_t x, int64_t y) {
+  const double fx = x == kPlainPath ? 0.5 : double(x), fy = y == kPlainPath ? 0.5 : double(y);
+  return fx < fy;
+}
+}  // namespace
+
+size_t Tuner::baseline() const {
+  size_t b = 0;
+  for (size_t c = 1; c < candidates.size(); ++c)
+    if (fewer_chunks(candidates[c], candidates[b])) b = c;
+  return b;
+}
+
+bool Tuner::clearly_faster(size_t c, size_t b) const {
+  const auto& x = seconds[c];
+  const auto& y = seconds[b];
+  if (x.empty() || y.empty()) return false;
+  // U: the pairs (one call of each) in which c's call was the slower, ties counting one half; without a
+  // difference its mean is n1 n2 / 2 (the normal approximation, with a continuity correction)
+  double u = 0;
+  for (double xi : x)
+    for (double yj : y) u += xi > yj ? 1.0 : xi == yj ? 0.5 : 0.0;
+  const double n1 = double(x.size()), n2 = double(y.size());
+  const double z = (u + 0.5 - n1 * n2 / 2) / std::sqrt(n1 * n2 * (n1 + n2 + 1) / 12);
+  return z < -kConfidenceZ;
+}
+
+size_t Tuner::kept() const {
+  const size_t best = lowest_median(), base = baseline();
+  return best == base || clearly_faster(best, base) ? best : base;
 }
 
 size_t Tuner::lowest_median() const {
-  auto fewer = [](int64_t x, int64_t y) {
-    const double fx = x == kPlainPath ? 0.5 : double(x), fy = y == kPlainPath ? 0.5 : double(y);
-    return fx < fy;
-  };
   size_t best = candidates.size();
   double best_median = std::numeric_limits<double>::infinity();
   for (size_t c = 0; c < candidates.size(); ++c) {
     if (!dropped_.empty() && dropped_[c]) continue;
     const double m = median_of(seconds[c]);
-    if (best == candidates.size() || m < best_median || (m == best_median && fewer(candidates[c], candidates[best]))) {
+    if (best == candidates.size() || m < best_median ||
+        (m == best_median && fewer_chunks(candidates[c], candidates[best]))) {
       best = c;
       best_median = m;
     }
@@ -703,14 +733,15 @@ void Tuner::record(int64_t chunks, double secs) {
     for (size_t c = 0; c < candidates.size(); ++c)
       first[c] = median_of(std::vector<double>(seconds[c].begin(), seconds[c].begin() + kTrials));
     const double best = *std::min_element(first.begin(), first.end());
-    for (size_t c = 0; c < candidates.size(); ++c) dropped_.push_back(first[c] > kDropRatio * best);
+    const size_t base = baseline();
+    for (size_t c = 0; c < candidates.size(); ++c) dropped_.push_back(c != base && first[c] > kDropRatio * best);
   }
   if (dropped_.empty()) return;
   for (size_t c = 0; c < candidates.size(); ++c)
     if (wanted(c) > 0) return;
   // tuned: the lowest median of the candidates kept (ties: the fewer chunks; the plain path as one chunk,
-  // before the overlapped one)
-  choice_ = candidates[lowest_median()];
+  // before the overlapped one) if it is clearly faster than the baseline, else the baseline
+  choice_ = candidates[kept()];
 }
 
 bool Pipeline::one_host() const {

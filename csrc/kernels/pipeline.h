@@ -76,17 +76,17 @@ class Pending {
   std::shared_ptr<State> state_;
 };
 
-// Automatic chunk counts of one (group, op, shape): candidates, timed on real calls in turn, then the one with
-// the lowest median is kept (ties: the fewer chunks). Each candidate's first call is not timed (it allocates
-// and pays cold caches: 23 ms against 4-6 ms for the calls after it, Gloo fp16 gemm_allreduce 512^3 with 4
-// chunks between two namespace hosts). After kTrials timed calls each, a candidate whose median is above
-// kDropRatio times the best is dropped; the others are timed until each has kFinalTrials. Three calls each
-// were too few on a shared VM: the same benchmark row (Gloo fp16 gemm_allreduce 512^3, the machine's noise
-// 2-6%) picked 4 chunks once (0.73x of unfused) and 1 chunk another time (0.91x), whose medians of 40
-// interleaved calls were 6.91 and 6.55 ms. The median, not the fastest call: two namespace hosts at 1 Gbit/s,
-// Gloo, fp16 allgather_gemm 512^3, 120 interleaved calls each, 1/2/4 chunks had fastest calls of
-// 6.07/5.93/6.32 ms and medians of 7.86/8.14/9.61 ms; the fastest of two calls picked 4 (the op's median 10.9
-// ms against 9.1 with 1 chunk in the benchmark).
+// Automatic chunk counts of one (group, op, shape): candidates, timed on real calls in turn, then the one with the
+// lowest median is kept if it beats the baseline with confidence (below; ties: the fewer chunks). Each candidate's
+// first call is not timed (it allocates and pays cold caches: 23 ms against 4-6 ms for the calls after it, Gloo fp16
+// gemm_allreduce 512^3 with 4 chunks between two namespace hosts). After kTrials timed calls each, a candidate whose
+// median is above kDropRatio times the best is dropped (never the baseline); the others are timed until each has
+// kFinalTrials. Three calls each were too few on a shared VM: the same benchmark row (Gloo fp16 gemm_allreduce 512^3,
+// the machine's noise 2-6%) picked 4 chunks once (0.73x of unfused) and 1 chunk another time (0.91x), whose medians of
+// 40 interleaved calls were 6.91 and 6.55 ms. The median, not the fastest call: two namespace hosts at 1 Gbit/s, Gloo,
+// fp16 allgather_gemm 512^3, 120 interleaved calls each, 1/2/4 chunks had fastest calls of 6.07/5.93/6.32 ms and
+// medians of 7.86/8.14/9.61 ms; the fastest of two calls picked 4 (the op's median 10.9 ms against 9.1 with 1 chunk in
+// the benchmark).
 // A call's time is the slowest rank's: the one the caller of a collective op waits for, and the same on every
 // rank, so every rank's tuner decides alike. Each rank sends its own time of its last tuning call in the next
 // call's argument agreement (Pipeline::tuner_fields), where it is recorded as the largest of them; until then
@@ -94,10 +94,18 @@ class Pending {
 // 2 namespace hosts at 1 Gbit/s, bf16 allgather_gemm 1024x128x1024: its tuning calls' medians were
 // 3.3-3.7 ms per candidate on each rank, while the op's slowest rank took 5.6 ms a call in the benchmark
 // and 4.1-5.4 ms in a probe (bench/README.md, "The tuner times the slowest rank").
+// The baseline, the candidate with the fewest chunks (the plain path when there is one, else one chunk), runs
+// as the op's unfused composition does; it is never dropped, and another candidate is kept over it only when
+// its timed calls are faster with confidence: a one-sided Mann-Whitney test of the lowest-median candidate's
+// calls against the baseline's, at kConfidenceZ. The lowest median alone had kept 3 and 4 chunks for all four
+// shapes of a Gloo bf16 gemm_allreduce row set at 10 Gbit/s (one chunk's three calls 10.5, 7.5 and 10.5 ms
+// against three chunks' 9.9, 8.3 and 8.3: one chunk dropped), and the op then ran at 0.73-0.85x of unfused
+// while one chunk runs at its time (bench/README.md, "The tuner keeps the baseline unless").
 struct Tuner {
   static constexpr size_t kTrials = 3;       // timed calls per candidate before the slow ones are dropped
   static constexpr size_t kFinalTrials = 7;  // timed calls per remaining candidate before the choice
   static constexpr double kDropRatio = 1.25;
+  static constexpr double kConfidenceZ = 1.645;  // one-sided 5%
   // The most candidates Pipeline::chunks proposes: 4 chunk counts, and the op's plain path (ChunkModel).
   static constexpr size_t kMostCandidates = 5;
   std::vector<int64_t> candidates;
@@ -130,7 +138,11 @@ struct Tuner {
  private:
   bool first_round_done() const;
   size_t wanted(size_t i) const;  // timed calls candidate i still needs
-  size_t lowest_median() const;   // the candidate kept: lowest median of those not dropped (ties: fewer chunks)
+  size_t baseline() const;        // the candidate with the fewest chunks (kPlainPath counting as one half)
+  size_t lowest_median() const;   // lowest median of those not dropped (ties: fewer chunks)
+  // Whether candidate c's timed calls are faster than candidate b's with confidence (Mann-Whitney, see above).
+  bool clearly_faster(size_t c, size_t b) const;
+  size_t kept() const;  // the candidate to keep: lowest_median() when clearly faster than the baseline, else it
   // Decided once, in record(), so that calls after tuning (next() on every op call) do no work:
   std::vector<bool> dropped_;  // per candidate, once the first round is done (empty before)
   int64_t choice_ = 0;         // the candidate kept, once tuning is done (0 before; kPlainPath is -1)
