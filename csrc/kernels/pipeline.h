@@ -128,8 +128,9 @@ struct Tuner {
   void start(std::vector<int64_t> cands);
   bool done() const { return choice_ != 0; }
   // The candidate to use next: while tuning, the one still to be timed with the fewest calls (`last` counted
-  // as made; the first on ties, so in turn), then the one with the lowest median (equal medians: the fewer
-  // chunks, kPlainPath counting as one and going before the overlapped path's one chunk).
+  // as made; the first on ties, so in turn), then kept(): the lowest median (equal medians: the fewer chunks,
+  // kPlainPath counting as one and going before the overlapped path's one chunk) if clearly faster than the
+  // baseline, else the baseline.
   int64_t next() const;
   void record(int64_t chunks, double secs);
   // The most calls tuning `n` candidates takes (the last one's time is recorded in the call after it).
