@@ -143,7 +143,7 @@ struct Tuner {
   size_t lowest_median() const;   // lowest median of those not dropped (ties: fewer chunks)
   // Whether candidate c's timed calls are faster than candidate b's with confidence (Mann-Whitney, see above).
   bool clearly_faster(size_t c, size_t b) const;
-  size_t kept() const;  // the candidate to keep: lowest_median() when clearly faster than the baseline, else it
+  size_t kept() const;  // lowest_median() when clearly faster than the baseline, else the baseline
   // Decided once, in record(), so that calls after tuning (next() on every op call) do no work:
   std::vector<bool> dropped_;  // per candidate, once the first round is done (empty before)
   int64_t choice_ = 0;         // the candidate kept, once tuning is done (0 before; kPlainPath is -1)
