@@ -799,8 +799,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     prod.emplace(a_in, b_in, /*exact=*/true, m);
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
-  auto make_term = [&] {
-    if (!term.defined()) term = sum_here || mk_half ? at::empty({m, n}, a.options().dtype(made_t)) : acc;
+  auto make_term = [&] {  // (one rank: the product is the result, made as the unfused matmul makes it)
+    if (!term.defined()) term = sum_here || mk_half || g.size == 1 ? at::empty({m, n}, a.options().dtype(made_t)) : acc;
   };
   // A small product is computed first and travels inside the agreement (the whole of it to every peer), in
   // the type it was made in (a half-type product made on the CPU loses nothing by travelling unwidened).
@@ -886,9 +886,12 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n, all_half);
   if (!early) prepare();
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
-  if (g.size == 1) {
-    if (!early) prod->into(acc, a);
-    return half ? acc.to(a_in.scalar_type()) : acc;
+  if (g.size == 1) {  // the product, in the input type where it is made so: no fp32 buffer, no pass to round it
+    if (!early) {
+      make_term();
+      prod->into(term, a);
+    }
+    return term.scalar_type() == a_in.scalar_type() ? term : term.to(a_in.scalar_type());
   }
   if (ring) {
     const int64_t mb = m / R;
@@ -1076,9 +1079,10 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
       in_place_pays(mb, in_place_chunk, gemms_per_chunk, C, ga.max_over_ranks(1), n, double(m) * n, all_half);
   if (!early) prepare();
   if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
-  if (R == 1) {
-    prod->into(acc_out, a);
-    return half ? acc_out.to(a_in.scalar_type()) : acc_out;
+  if (R == 1) {  // (as gemm_allreduce's: the product, in the input type where it is made so)
+    at::Tensor none;
+    const at::Tensor own = prod->made(a, half ? none : acc_out);
+    return own.scalar_type() == a_in.scalar_type() ? own : own.to(a_in.scalar_type());
   }
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int64_t i = 0; i < C; ++i) {
