@@ -85,13 +85,10 @@ def test_equal_medians_take_fewer_chunks() -> None:
     assert _C.tuner_pick([4, 1, 2], [[5e-3] * (1 + FINAL)] * 3) == (1, True)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_noisy_calls_finish_within_the_bound_and_find_the_faster(seed: int) -> None:
-    """Calls made in the order the tuner asks for, each candidate's time drawn with 30% noise and a rare
-    3x outlier: tuning ends within most_calls, and the candidate 20% faster than the rest wins."""
-    rng = random.Random(seed)
-    cands = [2, 1, 4, 8]
-    typical = {2: 5e-3, 1: 6e-3, 4: 6e-3, 8: 7e-3}
+def noisy_tuning(cands: list[int], typical: dict[int, float],
+                 rng: random.Random) -> tuple[int, bool, list[list[float]]]:
+    """Up to most_calls calls made in the order the tuner asks for, each candidate's time its typical one with
+    30% noise and a rare 3x outlier: (the count it then uses, whether tuning is over, the timings)."""
     secs: list[list[float]] = [[] for _ in cands]
     for _ in range(LIMITS["most_calls"]):
         chunks, tuned = _C.tuner_pick(cands, secs)
@@ -100,6 +97,15 @@ def test_noisy_calls_finish_within_the_bound_and_find_the_faster(seed: int) -> N
         noise = 3.0 if rng.random() < 0.05 else rng.uniform(0.85, 1.15)
         secs[cands.index(chunks)].append(typical[chunks] * noise)
     chunks, tuned = _C.tuner_pick(cands, secs)
+    return chunks, tuned, secs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_calls_finish_within_the_bound_and_find_the_faster(seed: int) -> None:
+    """Calls made in the order the tuner asks for, each candidate's time drawn with 30% noise and a rare
+    3x outlier: tuning ends within most_calls, and the candidate 20% faster than the rest wins."""
+    typical = {2: 5e-3, 1: 6e-3, 4: 6e-3, 8: 7e-3}
+    chunks, tuned, secs = noisy_tuning([2, 1, 4, 8], typical, random.Random(seed))
     assert tuned, f"not tuned after {LIMITS['most_calls']} calls: {secs}"
     assert chunks == 2, secs
 
@@ -198,17 +204,10 @@ def test_equal_candidates_rarely_leave_the_baseline() -> None:
     confidence, which with that much choice still happens, but in few of 200 tunings (the test is at 5%, but
     of the best of three: 11-23 of 200 over seeds 0-4)."""
     rng = random.Random(7)
-    cands = [2, 1, 4, 8]
+    equal = {c: 5e-3 for c in (2, 1, 4, 8)}
     left = 0
     for _ in range(200):
-        secs: list[list[float]] = [[] for _ in cands]
-        for _ in range(LIMITS["most_calls"]):
-            chunks, tuned = _C.tuner_pick(cands, secs)
-            if tuned:
-                break
-            noise = 3.0 if rng.random() < 0.05 else rng.uniform(0.85, 1.15)
-            secs[cands.index(chunks)].append(5e-3 * noise)
-        chunks, tuned = _C.tuner_pick(cands, secs)
+        chunks, tuned, _ = noisy_tuning(list(equal), equal, rng)
         assert tuned
         left += chunks != 1
     assert left <= 30, f"{left} of 200 equal tunings kept another count than the baseline"
