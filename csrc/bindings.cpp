@@ -661,6 +661,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("backend"), "Per peer rank: 'self', 'shm' or 'tcp'.");
 
   m.def(
+      "collective_runs",
+      [](const c10::intrusive_ptr<c10d::Backend>& b) { return as_mk(b).runs(); }, py::arg("backend"),
+      "(on the caller, on the worker): how many of this group's collectives ran on the thread that issued them "
+      "and how many on its worker thread.");
+
+  m.def(
       "peer_hosts",
       [](const c10::intrusive_ptr<c10d::Backend>& b) {
         auto& c = as_mk(b).comm();

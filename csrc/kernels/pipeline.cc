@@ -902,9 +902,15 @@ Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* 
 Pending Pipeline::lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()> issue, const char* what,
                                   std::vector<at::Tensor> keep) {
   if (inline_) {
-    // ProcessGroupMK's own work (run inline for small tensors, else on its worker thread); its wait honours
-    // the timeout and interrupts.
-    auto pend = backend_work(issue(), cat("mk ", op_, ": ", what).c_str(), -1, std::move(keep));
+    // ProcessGroupMK's own work, run on this thread when the group is idle (the op waits for it next, with
+    // nothing to overlap: see ProcessGroupMK::CallerWaits), else queued behind what is; its wait honours the
+    // timeout and interrupts.
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      ProcessGroupMK::CallerWaits here;
+      work = issue();
+    }
+    auto pend = backend_work(std::move(work), cat("mk ", op_, ": ", what).c_str(), -1, std::move(keep));
     pend.set_pollable(false);
     return pend;
   }

@@ -317,8 +317,9 @@ class Pipeline {
   // overlaps compute(i+1). finish(i) runs in order after chunk i's Pending completed.
   //
   // The last chunk's communication has no compute left to hide behind: once the earlier chunks are done it is
-  // issued on the caller's thread (no lane hand-off, as an unfused collective would be), so a pipeline whose
-  // tuned chunk count is 1 costs what the unfused composition costs.
+  // issued on the caller's thread (no lane hand-off, as an unfused collective would be; on mk it also runs
+  // there, not on ProcessGroupMK's worker: ProcessGroupMK::CallerWaits), so a pipeline whose tuned chunk count
+  // is 1 costs what the unfused composition costs.
   template <typename Compute, typename Communicate, typename Finish>
   void overlap(int64_t n, Compute compute, Communicate communicate, Finish finish, int depth = 2) {
     std::deque<std::pair<int64_t, Pending>> inflight;

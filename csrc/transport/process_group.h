@@ -70,6 +70,32 @@ class ProcessGroupMK : public c10d::Backend {
 
   Comm& comm() { return *comm_; }
 
+  // While one is alive, the collectives this thread issues run on it whatever their size (not only up to
+  // SUPERKERNEL_INLINE_BYTES), when nothing is queued or running: for a caller that waits for the collective
+  // at once and has nothing to overlap with it (a fused op's last collective). Handing it to the worker then
+  // only adds two thread switches: between two namespace hosts on 2 cores, 0.27-0.33 ms of a 3.35 ms bf16
+  // GEMM + 1 MiB allreduce (bench/README.md, "The last collective on the caller's thread"). Per thread.
+  // How many collectives (and run_ordered tasks) ran on the thread that issued them, and how many on the worker.
+  std::pair<uint64_t, uint64_t> runs() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {runs_on_caller_, runs_on_worker_};
+  }
+
+  class CallerWaits {
+   public:
+    CallerWaits() { ++depth(); }
+    ~CallerWaits() { --depth(); }
+    CallerWaits(const CallerWaits&) = delete;
+    CallerWaits& operator=(const CallerWaits&) = delete;
+    static bool active() { return depth() > 0; }
+
+   private:
+    static int& depth() {
+      thread_local int d = 0;
+      return d;
+    }
+  };
+
   // Run `fn` (which drives comm() itself, e.g. a fused operator's in-place shm collective) as one of this
   // group's collectives, in issue order: on the calling thread when nothing is queued or running, else on the
   // worker after what is. Failures complete the returned Work as a collective's would (a mismatch leaves
@@ -81,22 +107,26 @@ class ProcessGroupMK : public c10d::Backend {
 
  private:
   using Task = std::function<void()>;
+  using Done = std::function<void()>;  // completes a task's Work (after the group is marked idle)
   // Run `fn` in order with the other collectives, under its own timeout when one is given (> 0);
   // `bytes` decides whether it may run inline.
   c10::intrusive_ptr<c10d::Work> enqueue(std::chrono::milliseconds timeout, c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs, size_t bytes, Task fn);
   c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, const char* title, at::Tensor& tensor, int peer, int tag,
                                      bool sending);
-  void run(const c10::intrusive_ptr<WorkMK>& work, const Task& fn, const char* title);
+  // Run `fn` (aborting the communicator on a timeout, a lost peer or an interrupt); returns what completes
+  // `work` with its outcome.
+  Done run(const c10::intrusive_ptr<WorkMK>& work, const Task& fn, const char* title);
   void worker_loop();
 
   std::unique_ptr<Comm> comm_;
   size_t inline_bytes_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
+  std::deque<std::function<Done()>> queue_;
   bool running_ = false;
   bool stop_ = false;
+  uint64_t runs_on_caller_ = 0, runs_on_worker_ = 0;  // (guarded by mu_) see runs()
   std::thread worker_;
 };
 

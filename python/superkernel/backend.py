@@ -40,6 +40,14 @@ def peer_hosts(group: dist.ProcessGroup | None = None) -> list[str]:
     return list(_C.peer_hosts(mk_backend(group)))
 
 
+def collective_runs(group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    """How many of ``group``'s collectives so far ran on the thread that issued them (``caller``: small ones,
+    and a fused op's last collective, which it waits for at once) and how many on the backend's worker thread
+    (``worker``)."""
+    on_caller, on_worker = _C.collective_runs(mk_backend(group))
+    return {"caller": on_caller, "worker": on_worker}
+
+
 def cancel_waits() -> None:
     """Fail every blocked mk wait in this process now (used by the notebook worker on interrupt)."""
     _C.cancel_waits()
