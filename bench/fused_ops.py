@@ -196,9 +196,10 @@ def measure(fns: dict[str, Callable[[], Any]], seconds: float, min_iters: int, m
         # (after the same idle link as every timed call: over a tc tbf link the tuner otherwise times calls
         # that start from an empty token bucket, and picks for a link the timed calls never see)
         from superkernel import _C
+        # (and after the barrier every timed call starts after: tuned on calls back to back, mk's
+        # gemm_allreduce once kept 2 chunks that were 0.96x of unfused in the timed calls, bench/README.md)
         for _ in range(_C.tuner_limits()["most_calls"]):
-            if settle_s > 0:
-                settled_start(dist, settle_s)
+            settled_start(dist, settle_s)
             fns["fused"]()
     _barrier(dist)
     t0 = time.perf_counter()
