@@ -70,17 +70,17 @@ class ProcessGroupMK : public c10d::Backend {
 
   Comm& comm() { return *comm_; }
 
-  // While one is alive, the collectives this thread issues run on it whatever their size (not only up to
-  // SUPERKERNEL_INLINE_BYTES), when nothing is queued or running: for a caller that waits for the collective
-  // at once and has nothing to overlap with it (a fused op's last collective). Handing it to the worker then
-  // only adds two thread switches: between two namespace hosts on 2 cores, 0.27-0.33 ms of a 3.35 ms bf16
-  // GEMM + 1 MiB allreduce (bench/README.md, "The last collective on the caller's thread"). Per thread.
   // How many collectives (and run_ordered tasks) ran on the thread that issued them, and how many on the worker.
   std::pair<uint64_t, uint64_t> runs() {
     std::lock_guard<std::mutex> lock(mu_);
     return {runs_on_caller_, runs_on_worker_};
   }
 
+  // While one is alive, the collectives this thread issues run on it whatever their size (not only up to
+  // SUPERKERNEL_INLINE_BYTES), when nothing is queued or running: for a caller that waits for the collective
+  // at once and has nothing to overlap with it (a fused op's last collective). Handing it to the worker then
+  // only adds two thread switches: between two namespace hosts on 2 cores, 0.27-0.33 ms of a 3.35 ms bf16
+  // GEMM + 1 MiB allreduce (bench/README.md, "The last collective on the caller's thread"). Per thread.
   class CallerWaits {
    public:
     CallerWaits() { ++depth(); }
