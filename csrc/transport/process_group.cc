@@ -160,44 +160,43 @@ void ProcessGroupMK::worker_loop() {
   while (true) {
     cv_.wait(lock, [&] { return (!queue_.empty() && !running_) || (stop_ && queue_.empty() && !running_); });
     if (queue_.empty()) return;
-    auto task = std::move(queue_.front());
+    Queued task = std::move(queue_.front());
     queue_.pop_front();
     running_ = true;
     lock.unlock();
-    const Done done = task();
+    const std::exception_ptr err = run(task.fn, task.title);
     lock.lock();
     running_ = false;
     // idle before the waiter hears of the end: a collective its caller issues next may run on the caller
     // (enqueue), instead of queueing behind a task that is over
     lock.unlock();
-    done();
+    task.work->complete(err);
     lock.lock();
   }
 }
 
-ProcessGroupMK::Done ProcessGroupMK::run(const c10::intrusive_ptr<WorkMK>& work, const Task& fn, const char* title) {
-  std::exception_ptr err;
+std::exception_ptr ProcessGroupMK::run(const Task& fn, const char* title) {
   try {
     fn();
+    return nullptr;
   } catch (const MismatchError& e) {
-    err = backend_error(e.what());  // every rank saw it: the group stays usable
+    return backend_error(e.what());  // every rank saw it: the group stays usable
   } catch (const TimeoutError& e) {
     comm_->abort(e.what());
-    err = backend_error(e.what());
+    return backend_error(e.what());
   } catch (const PeerError& e) {
     comm_->abort(e.what());
-    err = backend_error(e.what());
+    return backend_error(e.what());
   } catch (const CancelledError& e) {
     comm_->abort(e.what());
-    err = backend_error(e.what());
+    return backend_error(e.what());
   } catch (const Error& e) {
-    err = backend_error(e.what());
+    return backend_error(e.what());
   } catch (const c10::Error& e) {
-    err = std::current_exception();
+    return std::current_exception();
   } catch (const std::exception& e) {
-    err = backend_error(cat("mk ", title, ": rank ", rank_, ": ", e.what()));
+    return backend_error(cat("mk ", title, ": rank ", rank_, ": ", e.what()));
   }
-  return [work, err] { work->complete(err); };
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupMK::enqueue(std::chrono::milliseconds timeout, c10d::OpType type,
@@ -215,7 +214,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::enqueue(std::chrono::milliseconds
     running_ = true;
     ++runs_on_caller_;
     lock.unlock();
-    const Done done = run(work, fn, title);
+    const std::exception_ptr err = run(fn, title);
     lock.lock();
     running_ = false;
     // Only the worker waits on cv_, and it has something to do only if a task was queued meanwhile: waking
@@ -223,11 +222,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::enqueue(std::chrono::milliseconds
     // fused ops went to the worker's wake-ups), on a core the ranks need.
     if (!queue_.empty() || stop_) cv_.notify_all();
     lock.unlock();
-    done();
+    work->complete(err);
     return work;
   }
   ++runs_on_worker_;
-  queue_.push_back([this, work, fn, title] { return run(work, fn, title); });
+  queue_.push_back(Queued{work, std::move(fn), title});
   cv_.notify_all();
   return work;
 }

@@ -8,6 +8,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -107,23 +108,27 @@ class ProcessGroupMK : public c10d::Backend {
 
  private:
   using Task = std::function<void()>;
-  using Done = std::function<void()>;  // completes a task's Work (after the group is marked idle)
   // Run `fn` in order with the other collectives, under its own timeout when one is given (> 0);
   // `bytes` decides whether it may run inline.
   c10::intrusive_ptr<c10d::Work> enqueue(std::chrono::milliseconds timeout, c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs, size_t bytes, Task fn);
   c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, const char* title, at::Tensor& tensor, int peer, int tag,
                                      bool sending);
-  // Run `fn` (aborting the communicator on a timeout, a lost peer or an interrupt); returns what completes
-  // `work` with its outcome.
-  Done run(const c10::intrusive_ptr<WorkMK>& work, const Task& fn, const char* title);
+  // Run `fn` (aborting the communicator on a timeout, a lost peer or an interrupt); returns what its Work is
+  // completed with (null when it succeeded), which the caller does once the group is marked idle.
+  std::exception_ptr run(const Task& fn, const char* title);
   void worker_loop();
 
   std::unique_ptr<Comm> comm_;
   size_t inline_bytes_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<Done()>> queue_;
+  struct Queued {
+    c10::intrusive_ptr<WorkMK> work;
+    Task fn;
+    const char* title;
+  };
+  std::deque<Queued> queue_;
   bool running_ = false;
   bool stop_ = false;
   uint64_t runs_on_caller_ = 0, runs_on_worker_ = 0;  // (guarded by mu_) see runs()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,14 +39,14 @@ def main() -> None:
     runs: dict[str, list[int]] = {}
     wrong: list[str] = []
 
-    def step(name: str, fn) -> None:
+    def step(name: str, fn: Callable[[], None]) -> None:
         dist.barrier()
         before = collective_runs()
         fn()
         after = collective_runs()
         runs[name] = [after["caller"] - before["caller"], after["worker"] - before["worker"]]
 
-    def allreduce(elems: int, async_op: bool = False, late: float = 0.0):
+    def allreduce(elems: int, async_op: bool = False, late: float = 0.0) -> tuple[torch.Tensor, dist.Work | None]:
         t = torch.full((elems,), float(rank + 1))
         if late:
             time.sleep(late)
