@@ -580,11 +580,42 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     carried.bytes = size_t(m * k * a.element_size());
     carried.data = [&a](int) { return a.data_ptr(); };
   }
+  // (riding an armed group's folded agreement, see Pipeline::fold_note: mk across hosts, whose plain path is one
+  // allgather and one GEMM; not with `gathered` returned, which a ride's blocks do not hold as one tensor)
+  const bool may_ride = g.is_mk() && g.device.is_cpu() && R > 1 && !return_gathered;
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(may_ring), true},
-                    {"half_products", int64_t(made_half), false}, {"small_half_limit", small_limit, false}},
-                   std::move(carried));
+                    {"half_products", int64_t(made_half), false}, {"small_half_limit", small_limit, false},
+                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
+                   std::move(carried), may_ride);
+  if (ga.rides()) {
+    // The call the group armed with, again on this rank (same descriptor): its shard, with its word, gathered
+    // in place by the one allgather that call made (on this thread, as that call's), and its GEMM over the
+    // gathered rows, with rank 0's limit for small half-type GEMMs as every rank used then.
+    const Pipeline::FoldPlan plan = ga.fold_plan();
+    TORCH_INTERNAL_ASSERT(plan.kind == Pipeline::FoldPlan::Kind::allgather && plan.elems == m * k, "mk ", op,
+                          ": rank ", g.rank, ": the folded call's shard has ", plan.elems, " elements, this call's ",
+                          m * k);
+    const at::Tensor a_ride = a_in.contiguous();
+    const Products ride(a_in, b_in, /*exact=*/false, R * m, /*widen_anyway=*/false, plan.aux);
+    at::Tensor buf = p.fold_buffer(plan, a_ride.options(), /*reused=*/true);
+    const int64_t block = plan.block(R);
+    copy_bytes(buf.narrow(0, plan.payload_at(r, R), m * k).data_ptr(), a_ride.data_ptr(), a_ride.nbytes());
+    p.on_caller([&] { return p.allgather(buf.narrow(0, int64_t(r) * block, block), buf); }).wait();
+    if (p.fold_landed(buf, plan)) {
+      ga.trace_ride();
+      at::Tensor out = at::empty({R * m, n}, a_ride.options());
+      if (plan.one_payload(R)) {
+        ride.into(out, buf.narrow(0, plan.payload_at(0, R), R * m * k).view({R * m, k}));
+      } else {  // (one GEMM per shard: a header sits between them)
+        for (int q = 0; q < R; ++q)
+          ride.into(out.narrow(0, q * m, m), buf.narrow(0, plan.payload_at(q, R), m * k).view({m, k}));
+      }
+      return {out, a_ride.new_empty({0, k})};
+    }
+    ga.agree_now();  // a rank did not ride this call: every rank agrees as usual (the shards travel again)
+  }
   // Other backends on CPU (Gloo): the agreement is an exchange of its own (384 B each way took 0.18-0.32 ms
   // on Gloo here, about a 256^3 product), so this rank's own rows are multiplied while it
   // travels. Not on mk, where the agreement costs microseconds and splitting the GEMM in two measured slower
@@ -696,6 +727,13 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     if (C == 1) {
       p.on_caller([&] { return p.allgather(a, gathered); }).wait();
       multiply_gathered();
+      // One allgather, every rank allowing the fold and multiplying alike, mk across hosts: a call the group
+      // may arm with (every input here is agreed, so every rank notes alike).
+      if (may_ride && !own_done && !mixed && !p.one_host() && ga.extra_min(4) == 1) {
+        Pipeline::FoldPlan plan{Pipeline::FoldPlan::Kind::allgather, m * k, a.scalar_type()};
+        plan.aux = ga.extra_of_rank0(3);
+        p.fold_note(ga.fold_keys(), plan);
+      }
       return {c, return_gathered ? gathered : a.new_empty({0, k})};
     }
     std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -814,8 +852,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     carried.bytes = size_t(own.nbytes());
     carried.data = [&own](int) { return own.data_ptr(); };
   }
-  // (riding an armed group's folded agreement, see Pipeline::fold_note: other backends, CPU tensors)
-  const bool may_ride = !g.is_mk() && g.device.is_cpu() && R > 1;
+  // (riding an armed group's folded agreement, see Pipeline::fold_note: CPU tensors, ranks on more than one host)
+  const bool may_ride = g.device.is_cpu() && R > 1;
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
                    {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false},
                     {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
@@ -823,19 +861,24 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   if (ga.rides()) {
     // The call the group armed with, again on this rank (same descriptor): its product and the one allreduce
     // that call made, with the header that tells whether every rank rode it.
+    // (not prepare(): a ride needs no fp32 buffer of its own; the collective on this thread, as the armed
+    // call's last one)
     const Pipeline::FoldPlan plan = ga.fold_plan();
-    TORCH_INTERNAL_ASSERT(plan.elems == m * n, "mk ", op, ": rank ", g.rank, ": the folded call's payload has ",
-                          plan.elems, " elements, this call's product ", m * n);
-    prepare();
-    at::Tensor buf = p.fold_buffer(plan, a.options());
-    at::Tensor payload = buf.narrow(0, 0, m * n).view({m, n});
-    prod->into(payload, a);
-    p.publish(payload);
-    p.allreduce(buf).wait();
+    TORCH_INTERNAL_ASSERT(plan.kind == Pipeline::FoldPlan::Kind::allreduce && plan.elems == m * n, "mk ", op,
+                          ": rank ", g.rank, ": the folded call's payload has ", plan.elems,
+                          " elements, this call's product ", m * n);
+    const at::Tensor a_ride = a_in.contiguous();
+    prod.emplace(a_in, b_in, /*exact=*/true, m);
+    at::Tensor buf = p.fold_buffer(plan, a_ride.options());
+    prod->into(buf.narrow(0, plan.payload_at(0, R), m * n).view({m, n}), a_ride);
+    p.publish(buf);
+    p.on_caller([&] { return p.allreduce(buf); }).wait();
     if (p.fold_landed(buf, plan)) {
       ga.trace_ride();
-      return plan.dtype == a_in.scalar_type() ? payload : payload.to(a_in.scalar_type());
+      const at::Tensor sum = p.fold_payload(buf, plan, m, n);
+      return plan.dtype == a_in.scalar_type() ? sum : sum.to(a_in.scalar_type());
     }
+    prod.reset();
     ga.agree_now();  // a rank did not ride this call: every rank agrees as usual (the product is made again)
   }
   // mk on one host: the products are written straight into the shm staging slots (no copy in), chunk by
@@ -970,7 +1013,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   // One allreduce of the whole product, every rank allowing the fold, across hosts: a call the group may arm
   // with (every input here is agreed, so every rank notes alike).
   if (may_ride && ranges.size() == 1 && (pair_chunk(m) || !sum_here) && !p.one_host() && ga.extra_min(2) == 1)
-    p.fold_note(ga.fold_keys(), {m * n, term.scalar_type()});
+    p.fold_note(ga.fold_keys(), {Pipeline::FoldPlan::Kind::allreduce, m * n, term.scalar_type()});
   return out;
 }
 
@@ -1034,9 +1077,40 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
     carried.bytes = size_t(block_bytes);
     carried.data = [&full](int q) { return full.select(0, q).data_ptr(); };
   }
+  // (riding an armed group's folded agreement, see Pipeline::fold_note: mk across hosts, whose plain path is one
+  // reduce-scatter; other backends sum the blocks here after an alltoall)
+  const bool may_ride = g.is_mk() && g.device.is_cpu() && R > 1;
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
-                   {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false}},
-                   std::move(carried));
+                   {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false},
+                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
+                   std::move(carried), may_ride);
+  if (ga.rides()) {
+    // The call the group armed with, again on this rank (same descriptor): every rank's block of its products,
+    // each followed by the header, and the one reduce-scatter that call made (on this thread, as its last one).
+    const Pipeline::FoldPlan plan = ga.fold_plan();
+    TORCH_INTERNAL_ASSERT(plan.kind == Pipeline::FoldPlan::Kind::reduce_scatter && plan.elems == mb * n, "mk ",
+                          op, ": rank ", g.rank, ": the folded call's block has ", plan.elems,
+                          " elements, this call's ", mb * n);
+    const at::Tensor a_ride = a_in.contiguous();
+    prod.emplace(a_in, b_in, /*exact=*/true, m);
+    at::Tensor buf = p.fold_buffer(plan, a_ride.options());
+    if (plan.one_payload(R)) {
+      prod->into(buf.narrow(0, plan.payload_at(0, R), m * n).view({m, n}), a_ride);
+    } else {  // (one GEMM per block: a header sits between them)
+      for (int q = 0; q < R; ++q)
+        prod->into(buf.narrow(0, plan.payload_at(q, R), mb * n).view({mb, n}), a_ride.narrow(0, q * mb, mb));
+    }
+    p.publish(buf);
+    at::Tensor got = at::empty({plan.block(R)}, buf.options());
+    p.on_caller([&] { return p.reduce_scatter(buf, got); }).wait();
+    if (p.fold_landed(got, plan)) {
+      ga.trace_ride();
+      const at::Tensor mine = p.fold_payload(got, plan, mb, n);
+      return plan.dtype == a_in.scalar_type() ? mine : mine.to(a_in.scalar_type());
+    }
+    prod.reset();
+    ga.agree_now();  // a rank did not ride this call: every rank agrees as usual (the products are made again)
+  }
   // mk on one host: each block's products are written straight into the shm staging slots (no copy in),
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
@@ -1156,6 +1230,10 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
         stage[size_t(i)] = at::Tensor();
       },
       /*depth=*/int(ranges.size()) + 1);
+  // One reduce-scatter of every block, every rank allowing the fold, mk across hosts: a call the group may arm
+  // with (every input here is agreed, so every rank notes alike).
+  if (may_ride && !sum_here && ranges.size() == 1 && !p.one_host() && ga.extra_min(2) == 1)
+    p.fold_note(ga.fold_keys(), {Pipeline::FoldPlan::Kind::reduce_scatter, mb * n, stage_t});
   if (!out.is_same(acc_out)) return out;
   return half ? acc_out.to(a_in.scalar_type()) : acc_out;
 }

@@ -1,5 +1,6 @@
 #include "kernels/pipeline.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -266,8 +267,12 @@ void Pending::wait() {
         // cannot cut it short there; it does cut the polling wait below).
         try {
           if (!s.work->wait(s.timeout)) throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
-        } catch (const c10::DistBackendError&) {
-          throw;
+        } catch (const c10::DistBackendError& e) {
+          // (named by the op already, or the backend's own words, e.g. ProcessGroupMK's for a collective it ran
+          // on this thread: then they say which op's collective it was)
+          const std::string msg = e.what_without_backtrace();
+          if (msg.rfind(s.what.substr(0, s.what.find(':')), 0) == 0) throw;
+          throw_backend(cat(s.what, ": ", msg));
         } catch (const c10::Error& e) {
           throw_backend(cat(s.what, ": ", e.what_without_backtrace()));
         } catch (const std::exception& e) {
@@ -405,12 +410,22 @@ std::vector<float> fold_word(int64_t flag, uint64_t gen, uint64_t seq) {
   return w;
 }
 
+// A ride's (or a veto's) buffer: the plan's blocks (one, or one per rank for a reduce-scatter), each a payload and
+// a header of one slot per rank (FoldPlan says where), this rank's word in its slot of every block and zeros
+// elsewhere. The header is written element by element (no ATen ops: a call that rides avoids every per-call
+// cost it can).
 at::Tensor fold_header_buffer(const Pipeline::FoldPlan& plan, int size, int rank, const std::vector<float>& word,
-                              const at::TensorOptions& opts) {
-  at::Tensor buf = at::empty({plan.elems + int64_t(size) * kFoldSlot}, opts.dtype(plan.dtype));
-  buf.narrow(0, plan.elems, int64_t(size) * kFoldSlot).zero_();
-  at::Tensor mine = at::from_blob(const_cast<float*>(word.data()), {kFoldSlot}, at::TensorOptions().dtype(at::kFloat));
-  buf.narrow(0, plan.elems + int64_t(rank) * kFoldSlot, kFoldSlot).copy_(mine);
+                              const at::TensorOptions& opts, bool reused) {
+  const int64_t total = plan.blocks(size) * plan.block(size);
+  at::Tensor buf = reused ? scratch(1, total, opts.dtype(plan.dtype)).view({total})
+                          : at::empty({total}, opts.dtype(plan.dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, plan.dtype, "fold_header", [&] {
+    for (int64_t j = 0; j < plan.blocks(size); ++j) {
+      scalar_t* h = buf.data_ptr<scalar_t>() + plan.header_at(j, size);
+      for (int64_t i = 0; i < plan.header(size); ++i) h[i] = scalar_t(0);
+      for (int i = 0; i < kFoldSlot; ++i) h[int64_t(rank) * kFoldSlot + i] = scalar_t(word[size_t(i)]);
+    }
+  });
   return buf;
 }
 }  // namespace
@@ -431,7 +446,7 @@ bool Pipeline::fold_allowed() {
 }
 
 bool Pipeline::fold_rides(uint64_t key, FoldPlan* plan) {
-  if (g_.size < 2 || g_.is_mk()) return false;
+  if (g_.size < 2) return false;
   std::lock_guard<std::mutex> lock(states_mu());
   const auto& f = state_of(g_).fold;
   if (!f.armed || size_t(g_.rank) >= f.keys.size() || f.keys[size_t(g_.rank)] != key) return false;
@@ -439,19 +454,55 @@ bool Pipeline::fold_rides(uint64_t key, FoldPlan* plan) {
   return true;
 }
 
-at::Tensor Pipeline::fold_buffer(const FoldPlan& plan, const at::TensorOptions& opts) {
+at::Tensor Pipeline::fold_buffer(const FoldPlan& plan, const at::TensorOptions& opts, bool reused) {
   uint64_t gen = 0;
   {
     std::lock_guard<std::mutex> lock(states_mu());
     gen = state_of(g_).fold.gen;
   }
-  return fold_header_buffer(plan, g_.size, g_.rank, fold_word(kFoldRides, gen, seq_), opts);
+  return fold_header_buffer(plan, g_.size, g_.rank, fold_word(kFoldRides, gen, seq_), opts, reused);
+}
+
+int64_t Pipeline::FoldPlan::header(int size) const {
+  const int64_t per_line = int64_t(64 / c10::elementSize(dtype));  // (whole 64-byte lines)
+  return (int64_t(size) * kFoldSlot + per_line - 1) / per_line * per_line;
+}
+
+int64_t Pipeline::FoldPlan::block(int size) const { return elems + header(size); }
+
+int64_t Pipeline::FoldPlan::payload_at(int64_t j, int size) const {
+  if (kind != Kind::allreduce && size == 2) return header(size) + j * elems;
+  return j * block(size);
+}
+
+int64_t Pipeline::FoldPlan::header_at(int64_t j, int size) const {
+  if (kind != Kind::allreduce && size == 2) return j == 0 ? 0 : block(size) + elems;
+  return j * block(size) + elems;
+}
+
+at::Tensor Pipeline::fold_payload(const at::Tensor& buf, const FoldPlan& plan, int64_t rows, int64_t cols) const {
+  const int64_t j = plan.kind == FoldPlan::Kind::reduce_scatter ? g_.rank : 0;  // (the block this rank holds)
+  return buf.narrow(0, plan.payload_at(j, g_.size) - j * plan.block(g_.size), plan.elems).view({rows, cols});
 }
 
 bool Pipeline::fold_landed(const at::Tensor& buf, const FoldPlan& plan) {
-  // (the header read outside the lock: an ATen op, and states_mu() is every group's)
-  const at::Tensor header = buf.narrow(0, plan.elems, int64_t(g_.size) * kFoldSlot).to(at::kFloat).contiguous();
-  const float* h = header.data_ptr<float>();
+  const bool all = plan.kind == FoldPlan::Kind::allgather;  // (every block, each with its owner's word)
+  const int64_t want = all ? plan.blocks(g_.size) * plan.block(g_.size) : plan.block(g_.size);
+  TORCH_INTERNAL_ASSERT(buf.is_contiguous() && buf.numel() == want && buf.scalar_type() == plan.dtype, "mk ",
+                        op_, ": rank ", g_.rank, ": the folded collective left ", buf.numel(),
+                        " elements here, the plan ", want);
+  // (the words read outside the lock: states_mu() is every group's)
+  std::vector<float> header(size_t(g_.size) * kFoldSlot);
+  const int64_t j = plan.kind == FoldPlan::Kind::reduce_scatter ? g_.rank : 0;  // (the block this rank holds)
+  const int64_t from = plan.header_at(j, g_.size) - j * plan.block(g_.size);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, plan.dtype, "fold_landed", [&] {
+    const scalar_t* src = buf.data_ptr<scalar_t>();
+    for (int q = 0; q < g_.size; ++q) {  // rank q's word: its slot of the summed header, or of its own block's
+      const scalar_t* w = src + (all ? plan.header_at(q, g_.size) : from) + int64_t(q) * kFoldSlot;
+      for (int i = 0; i < kFoldSlot; ++i) header[size_t(q) * kFoldSlot + size_t(i)] = float(w[i]);
+    }
+  });
+  const float* h = header.data();
   int vetoed = -1, differs = -1;
   {
     std::lock_guard<std::mutex> lock(states_mu());
@@ -479,22 +530,27 @@ bool Pipeline::fold_landed(const at::Tensor& buf, const FoldPlan& plan) {
 }
 
 void Pipeline::fold_note(const std::vector<uint64_t>& keys, const FoldPlan& plan) {
-  if (g_.size < 2 || g_.is_mk() || !g_.device.is_cpu()) return;
+  if (g_.size < 2 || !g_.device.is_cpu()) return;
   std::lock_guard<std::mutex> lock(states_mu());
   auto& st = state_of(g_);
   auto& f = st.fold;
   if (f.armed) return;  // (a call that rode: nothing to note)
   const bool same = f.last_seq != ~uint64_t(0) && f.last_seq + 1 == seq_ && f.keys == keys &&
-                    f.plan.elems == plan.elems && f.plan.dtype == plan.dtype;
+                    f.plan.elems == plan.elems && f.plan.dtype == plan.dtype && f.plan.kind == plan.kind &&
+                    f.plan.aux == plan.aux;
   f.streak = same ? f.streak + 1 : 1;
   f.keys = keys;
   f.plan = plan;
   f.last_seq = seq_;
-  const bool side_settled = st.side == GroupState::Side::active || st.side == GroupState::Side::never;
+  // (mk has no side channel: its agreement always travels over the group's own communicator)
+  const bool side_settled =
+      g_.is_mk() || st.side == GroupState::Side::active || st.side == GroupState::Side::never;
   if (f.streak < f.need || !side_settled) return;
   f.armed = true;
   f.rode = 0;
-  f.gen = mix64(mix64(mix64(0x61726d6564ull, seq_), uint64_t(plan.elems)), uint64_t(plan.dtype));
+  f.gen = mix64(mix64(mix64(mix64(mix64(0x61726d6564ull, seq_), uint64_t(plan.elems)), uint64_t(plan.dtype)),
+                      uint64_t(plan.kind)),
+                uint64_t(plan.aux));
   for (uint64_t k : keys) f.gen = mix64(f.gen, k);
   if (tracing()) emit_trace(c10::str("fold: armed after call ", seq_, " (", f.streak, " alike)"));
 }
@@ -510,15 +566,27 @@ void Pipeline::fold_veto() {
     gen = f.gen;
     disarm(f);  // (first: whatever the allreduce does, this rank agrees as usual from now on)
   }
-  trace("fold: call ", seq_, " does not ride; sending the armed allreduce with its veto");
+  using Kind = FoldPlan::Kind;
+  trace("fold: call ", seq_, " does not ride; sending the armed ",
+        plan.kind == Kind::allreduce ? "allreduce" : plan.kind == Kind::reduce_scatter ? "reduce-scatter" : "allgather",
+        " with its veto");
   at::Tensor buf = fold_header_buffer(plan, g_.size, g_.rank, fold_word(kFoldVetoes, gen, seq_),
-                                      at::TensorOptions().device(g_.device));
-  buf.narrow(0, 0, plan.elems).zero_();
-  allreduce(buf).wait();
+                                      at::TensorOptions().device(g_.device), /*reused=*/false);
+  const int64_t block = plan.block(g_.size);
+  for (int64_t j = 0; j < plan.blocks(g_.size); ++j)  // (the payload is dropped on every rank; zeros keep it defined)
+    buf.narrow(0, plan.payload_at(j, g_.size), plan.elems).zero_();
+  if (plan.kind == Kind::allreduce) {
+    allreduce(buf).wait();
+  } else if (plan.kind == Kind::reduce_scatter) {
+    at::Tensor out = at::empty({block}, buf.options());
+    reduce_scatter(buf, out).wait();
+  } else {
+    allgather(buf.narrow(0, int64_t(g_.rank) * block, block), buf).wait();
+  }
 }
 
 Agreement Pipeline::start_agree(std::vector<Field> fields, const std::string& local_error, Carried carried) {
-  if (g_.size > 1 && !g_.is_mk()) fold_veto();  // (an armed group: this call does not ride)
+  if (g_.size > 1) fold_veto();  // (an armed group: this call does not ride)
   std::shared_ptr<AgreementBoard> board;
   SideChannel side;
   bool open_side = false;

@@ -215,36 +215,64 @@ class Pipeline {
   // calls), and this call's duration (when the Pipeline is destroyed without an exception) waits for the next.
   void use_chunks(int64_t agreed, const std::vector<std::vector<int64_t>>& all, size_t tuner_at);
 
-  // The folded agreement (other backends, CPU tensors, ranks on more than one host). An op whose call is one
-  // allreduce of its whole result (gemm_allreduce with one chunk) notes each such call that every rank made
-  // with descriptors of the same hash as its previous call, right after it (fold_note, with every rank's
-  // descriptor hash, fold_key). Once a group has seen `need` of them in a row (2 at first) with the
-  // agreement's side channel settled, it is armed, alike on every rank (every input is agreed): the next call
-  // whose descriptor hashes as this rank's did rides (fold_rides: no agreement messages), and its allreduce
-  // carries, after the payload, a header with one slot per rank (fold_buffer: a flag, ride or veto, and 8
-  // bytes of a hash of the armed state and the call number, as small integers every float type holds
-  // exactly; the other ranks' slots zero, so the sum is every rank's word). fold_landed() reads the sum: every
-  // rank rode the same call, or the group disarms and the op agrees as usual (every rank learns it from the
-  // same header). Any other call on an armed group (another op, other shapes, an argument error) first sends
-  // the armed allreduce with its veto (start_agree does), disarms and agrees as usual; so ranks that called
-  // different things get the usual error, never allreduces of different sizes (Gloo aborts on those).
+  // The folded agreement (CPU tensors, ranks on more than one host). An op whose call is one collective
+  // (gemm_allreduce's allreduce of its product with one chunk; on mk also the plain paths' one reduce-scatter
+  // of gemm_reducescatter and one allgather of allgather_gemm) notes each such call that every rank made with
+  // descriptors of the same hash as its previous call, right after it (fold_note, with every rank's descriptor
+  // hash, fold_key). Once a group has seen `need` of them in a row (2 at first), with the agreement's side
+  // channel settled on other backends, it is armed, alike on every rank (every input is agreed): the next call
+  // whose descriptor hashes as this rank's did rides (fold_rides: no agreement messages), and its collective
+  // carries, beside the payload of each block, a header with one slot per rank (fold_buffer: a flag, ride or
+  // veto, and 8 bytes of a hash of the armed state and the call number, as small integers every float type
+  // holds exactly; the other ranks' slots zero, so a sum is every rank's word, and a gather brings each
+  // rank's). fold_landed() reads them: every rank rode the same call, or the group disarms and the op agrees
+  // as usual (every rank learns it from the same words). Any other call on an armed group (another op, other
+  // shapes, an argument error) first sends the armed collective with its veto (start_agree does), disarms and
+  // agrees as usual; so ranks that called different things get the usual error, never collectives of
+  // different sizes (Gloo aborts on those, and so does mk across hosts). On mk across hosts the agreement is
+  // one small message to and from every peer, which on busy cores costs what the unfused composition with one
+  // such exchange added costs (2 namespace hosts at 10 Gbit/s: 0.05-0.1 ms a call, bench/README.md).
   // Each disarming doubles `need` (at most 64), so a loop that changes calls often stops arming; once `need`
   // calls rode in a row it is 2 again.
   // SUPERKERNEL_OPS_FOLD=0 on any rank keeps its group from arming (the op puts it in its descriptor).
   struct FoldPlan {
-    int64_t elems = 0;  // payload elements before the header
+    // The armed call's one collective: an allreduce of its whole result (gemm_allreduce), a reduce-scatter
+    // whose every rank's block carries the header (gemm_reducescatter on mk: the sum of every rank's words
+    // lands in each rank's block), or an allgather.
+    // A block is its payload, then its header (a slot per rank, padded to whole 64-byte lines); except that
+    // with 2 ranks the first of two blocks (reduce-scatter, allgather) has its header first, so the two
+    // payloads are one [2 rows, cols] matrix in the middle (one GEMM, not one per block), each starting on a
+    // line.
+    // allgather (allgather_gemm on mk): every rank's block holds its shard and its word; every rank reads
+    // every block's.
+    enum class Kind : uint8_t { allreduce, reduce_scatter, allgather } kind = Kind::allreduce;
+    int64_t elems = 0;  // payload elements of a block
     at::ScalarType dtype = at::kFloat;
+    int64_t aux = 0;  // what the op's ride needs of the armed call (allgather_gemm: rank 0's small_half_limit)
+    int64_t header(int size) const;  // elements of a block's header
+    int64_t block(int size) const;   // elements of a block: the payload and the header
+    int64_t blocks(int size) const { return kind == Kind::allreduce ? 1 : size; }
+    // Where block j's payload and header start in the flat buffer of every block.
+    int64_t payload_at(int64_t j, int size) const;
+    int64_t header_at(int64_t j, int size) const;
+    // The payloads follow each other (payload_at(j) = payload_at(0) + j * elems): one GEMM fills or reads them.
+    bool one_payload(int size) const { return kind == Kind::allreduce || size == 2; }
   };
   static uint64_t fold_key(const char* op, const std::vector<int64_t>& values);
   static bool fold_allowed();  // SUPERKERNEL_OPS_FOLD is not 0 (read once)
   // Armed, and this call's descriptor hashes as this rank's did when the group armed: it rides. The plan is
   // the armed call's payload.
   bool fold_rides(uint64_t key, FoldPlan* plan);
-  // (riding) zeros for the header after `plan.elems` payload elements, this rank's word in its slot
-  at::Tensor fold_buffer(const FoldPlan& plan, const at::TensorOptions& opts);
-  // (riding) after the allreduce of fold_buffer(): true when every rank rode this call; else the group is
-  // disarmed (on every rank: they read the same header).
+  // (riding) the plan's blocks, flat: the payloads to fill and the headers (zeros, this rank's word in its slot),
+  // where FoldPlan says; `reused`: in the calling thread's scratch buffer (see scratch(), for a buffer the op
+  // does not return)
+  at::Tensor fold_buffer(const FoldPlan& plan, const at::TensorOptions& opts, bool reused = false);
+  // (riding) after the collective of fold_buffer(), with what it left here (the allreduced buffer, this rank's
+  // block of the reduce-scatter, or every block of the allgather): true when every rank rode this call; else
+  // the group is disarmed (on every rank: they read the same words). fold_payload(): an allreduced or
+  // reduce-scattered block's payload, [rows, cols].
   bool fold_landed(const at::Tensor& buf, const FoldPlan& plan);
+  at::Tensor fold_payload(const at::Tensor& buf, const FoldPlan& plan, int64_t rows, int64_t cols) const;
   void fold_note(const std::vector<uint64_t>& keys, const FoldPlan& plan);
 
   // Point-to-point within this op call. `t` must be contiguous and stay untouched until waited. `slot` < 2^20.

@@ -1,7 +1,8 @@
-"""Runs inside every rank of a Gloo world across two namespace hosts (tests/ops/test_fold.py): gemm_allreduce's
-folded agreement (Pipeline::fold_note in csrc/kernels/pipeline.h). Products large enough to travel by one
-allreduce (not inside the agreement), one chunk, so that consecutive alike calls arm the group and later ones
-ride their allreduce without agreeing.
+"""Runs inside every rank of a Gloo or mk world across two namespace hosts (tests/ops/test_fold.py): the folded
+agreement (Pipeline::fold_note in csrc/kernels/pipeline.h) of gemm_allreduce, and on mk of gemm_reducescatter.
+Products large enough to travel by one collective (not inside the agreement), one chunk, so that consecutive
+alike calls arm the group and later ones ride their collective without agreeing. On mk the test sets
+SUPERKERNEL_OPS_RING_MIN_ROWS above m, so the calls take the op's one collective rather than its ring.
 
 ``--mode fold``: phases, each result checked against float64 (``wrong`` lists the failures):
   ``fp32``: 10 alike float32 calls; ``bf16``: 8 alike bfloat16 calls (two ranks: the half-type allreduce);
@@ -10,7 +11,10 @@ ride their allreduce without agreeing.
   rank 1 gemm_allreduce (must raise on every rank); ``rearm3``: 8 alike calls; ``args``: rank 1 passes b of
   another dtype (must raise on every rank); ``after``: one more alike call; ``flip``: 8 calls alternating
   between two shapes (must never arm). A disarming makes the run of alike calls that arms 4, so each phase of
-  8 alike calls after one ends with 4 calls that ride.
+  8 alike calls after one ends with 4 calls that ride. ``--backend mk`` adds gemm_reducescatter's phases:
+  ``rs``: 8 alike calls; ``rs_shape``: rank 1 passes another m (must raise on every rank: the armed
+  reduce-scatter carries its veto); ``rs_after``: 12 alike calls (the last 8 ride); then allgather_gemm's
+  ``ag``, ``ag_shape`` and ``ag_after`` alike (its shards gathered with their words).
 ``--mode timeout`` / ``exit``: 8 alike calls, then rank 0 calls again while rank 1 does not: the group's 2 s
 timeout, or rank 1's exit, must end rank 0's wait with an error naming the op.
 The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls rode. Prints one REPORT line per rank."""
@@ -53,15 +57,25 @@ class World:
         self.wrong: list[str] = []
 
     def run(self, phase: str, times: int, m: int = M, k: int = K, n: int = N,
-            dtype: torch.dtype = torch.float32) -> None:
-        """``times`` alike gemm_allreduce calls (new operands each), each checked."""
+            dtype: torch.dtype = torch.float32, op: str = "gemm_allreduce") -> None:
+        """``times`` alike calls of ``op`` (gemm_allreduce, gemm_reducescatter or allgather_gemm; new operands
+        each), each checked."""
         for _ in range(times):
             self.calls += 1
             a, b = operands(self.rank, m, k, n, dtype, self.calls)
-            got = mk.gemm_allreduce(a, b, chunks=1)
             want = reference(self.world, m, k, n, dtype, self.calls)
+            if op == "gemm_allreduce":
+                got = mk.gemm_allreduce(a, b, chunks=1)
+            elif op == "allgather_gemm":
+                got = mk.allgather_gemm(a, b, chunks=1)
+                shards = [operands(q, m, k, n, dtype, self.calls)[0].double() for q in range(self.world)]
+                want = torch.cat(shards) @ b.double()
+            else:
+                got = mk.gemm_reducescatter(a, b, chunks=1)
+                rows = m // self.world
+                want = want[self.rank * rows:(self.rank + 1) * rows]
             scale = want.abs().max().item()
-            if got.dtype != dtype or tuple(got.shape) != (m, n) or \
+            if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or \
                     (got.double() - want).abs().max().item() > TOL[dtype] * max(scale, 1.0):
                 self.wrong.append(f"{phase} call {self.calls}")
 
@@ -69,9 +83,10 @@ class World:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["fold", "timeout", "exit"], default="fold")
+    ap.add_argument("--backend", choices=["gloo", "mk"], default="gloo")
     args = ap.parse_args()
     timeout = 2 if args.mode == "timeout" else 60
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=timeout))
     w = World()
     rank = w.rank
     report: dict = {"rank": rank}
@@ -93,6 +108,14 @@ def main() -> None:
         w.run("after", 1)
         for i in range(8):
             w.run("flip", 1, m=M if i % 2 else 2 * M)
+        if args.backend == "mk":
+            w.run("rs", 8, op="gemm_reducescatter")
+            report["rs_shape_error"] = error_of(
+                lambda: w.run("rs_shape", 1, m=M + 8 * w.world * rank, op="gemm_reducescatter"))
+            w.run("rs_after", 12, op="gemm_reducescatter")
+            w.run("ag", 8, op="allgather_gemm")
+            report["ag_shape_error"] = error_of(lambda: w.run("ag_shape", 1, m=M + 8 * rank, op="allgather_gemm"))
+            w.run("ag_after", 12, op="allgather_gemm")
         dist.barrier()
     elif rank == 0:
         dist.barrier()

@@ -31,9 +31,10 @@ inline const char* kind_name(Kind k) {
 // Tags of collective-internal messages: top bit set, then the collective's sequence number and a step.
 inline uint64_t coll_tag(uint64_t seq, uint32_t step) { return (1ull << 63) | (seq << 24) | (step & 0xffffff); }
 
-// memcpy/memmove that accept the null pointers of empty tensors (n == 0).
+// memcpy/memmove that accept the null pointers of empty tensors (n == 0), and a buffer onto itself (an in-place
+// allgather's own part: nothing to move).
 inline void copy_bytes(void* dst, const void* src, size_t n) {
-  if (n) std::memmove(dst, src, n);
+  if (n && dst != src) std::memmove(dst, src, n);
 }
 
 inline uint64_t mix(uint64_t h, uint64_t v) {
