@@ -285,7 +285,7 @@ class GemmAgreement {
       std::vector<int64_t> values;
       values.reserve(fields.size());
       for (const Field& f : fields) values.push_back(f.value);
-      if (p.fold_rides(Pipeline::fold_key(p.op(), values), &plan_)) {
+      if (p.fold_rides(ride_key(p.op(), p.rank(), std::move(values)), &plan_)) {
         fields_ = std::move(fields);  // (for agree_now(), should a rank not ride)
         return;
       }
@@ -305,12 +305,21 @@ class GemmAgreement {
              requested_ > 0 ? c10::str(", requested ", requested_) : std::string(", automatic"), ")", extra_,
              " agreement=fold");
   }
-  // After chunks(): every rank's descriptor hash (Pipeline::fold_key of its fields), for Pipeline::fold_note.
+  // After chunks(): every rank's descriptor hash (ride_key of its fields), for Pipeline::fold_note.
   std::vector<uint64_t> fold_keys() const {
     std::vector<uint64_t> keys;
     keys.reserve(all_.size());
-    for (const auto& row : all_) keys.push_back(Pipeline::fold_key(p_.op(), row));
+    for (size_t q = 0; q < all_.size(); ++q) keys.push_back(ride_key(p_.op(), int(q), all_[q]));
     return keys;
+  }
+  // The hash a rank's call rides on: its descriptor's values, without the last three (the tuner's two and the
+  // chunk proposal) on ranks other than 0, whose proposal never decides the path (rank 0's does) and whose
+  // tuner may go on timing calls after rank 0's has settled (its candidates come from its own link estimate):
+  // those change every call and would keep the group from arming. Rank 0's stay in: while its tuner times
+  // calls, they change, and the group does not arm.
+  static uint64_t ride_key(const char* op, int rank, std::vector<int64_t> values) {
+    if (rank != 0) values.resize(values.size() - std::min<size_t>(values.size(), 3));
+    return Pipeline::fold_key(op, values);
   }
   // This rank's own proposal (the agreed count is rank 0's; they differ only when ranks request different ones).
   int64_t proposal() const { return proposal_; }

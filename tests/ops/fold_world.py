@@ -14,7 +14,9 @@ SUPERKERNEL_OPS_RING_MIN_ROWS above m, so the calls take the op's one collective
   8 alike calls after one ends with 4 calls that ride. ``--backend mk`` adds gemm_reducescatter's phases:
   ``rs``: 8 alike calls; ``rs_shape``: rank 1 passes another m (must raise on every rank: the armed
   reduce-scatter carries its veto); ``rs_after``: 12 alike calls (the last 8 ride); then allgather_gemm's
-  ``ag``, ``ag_shape`` and ``ag_after`` alike (its shards gathered with their words).
+  ``ag``, ``ag_shape`` and ``ag_after`` alike (its shards gathered with their words). Last, ``vary``: 8
+  gemm_allreduce calls alike but for the chunk count that ranks other than 0 ask for (1 or 2 in turn; rank 0's
+  proposal decides the path, so the group still arms).
 ``--mode timeout`` / ``exit``: 8 alike calls, then rank 0 calls again while rank 1 does not: the group's 2 s
 timeout, or rank 1's exit, must end rank 0's wait with an error naming the op.
 The test reads the op trace (SUPERKERNEL_OPS_TRACE=1) for which calls rode. Prints one REPORT line per rank."""
@@ -57,15 +59,16 @@ class World:
         self.wrong: list[str] = []
 
     def run(self, phase: str, times: int, m: int = M, k: int = K, n: int = N,
-            dtype: torch.dtype = torch.float32, op: str = "gemm_allreduce") -> None:
+            dtype: torch.dtype = torch.float32, op: str = "gemm_allreduce", vary: bool = False) -> None:
         """``times`` alike calls of ``op`` (gemm_allreduce, gemm_reducescatter or allgather_gemm; new operands
-        each), each checked."""
+        each), each checked. ``vary``: ranks other than 0 ask for 1 or 2 chunks in turn (rank 0's 1 decides)."""
         for _ in range(times):
             self.calls += 1
             a, b = operands(self.rank, m, k, n, dtype, self.calls)
             want = reference(self.world, m, k, n, dtype, self.calls)
             if op == "gemm_allreduce":
-                got = mk.gemm_allreduce(a, b, chunks=1)
+                chunks = 1 + self.calls % 2 if vary and self.rank != 0 else 1
+                got = mk.gemm_allreduce(a, b, chunks=chunks)
             elif op == "allgather_gemm":
                 got = mk.allgather_gemm(a, b, chunks=1)
                 shards = [operands(q, m, k, n, dtype, self.calls)[0].double() for q in range(self.world)]
@@ -116,6 +119,7 @@ def main() -> None:
             w.run("ag", 8, op="allgather_gemm")
             report["ag_shape_error"] = error_of(lambda: w.run("ag_shape", 1, m=M + 8 * rank, op="allgather_gemm"))
             w.run("ag_after", 12, op="allgather_gemm")
+        w.run("vary", 8, vary=True)
         dist.barrier()
     elif rank == 0:
         dist.barrier()

@@ -22,15 +22,18 @@ hosts_needed = pytest.mark.skipif(REASON is not None, reason=f"two namespace hos
 # fold_world.py's calls (0-based, per group) that ride: call 1 opens the side channel and settles it, and with
 # call 0 arms the group (2 alike); a disarming makes it 4 until 4 calls rode, so each later phase of 8 alike
 # calls ends with 4 that ride. Calls: fp32 0-9, bf16 10-17 (10 vetoes), shape 18, rearm 19-26, both 27,
-# rearm2 28-35, order 36, rearm3 37-44, args 45, after 46, flip 47-54 (never armed).
-RIDES = [*range(2, 10), *range(14, 18), *range(23, 27), *range(32, 36), *range(41, 45)]
+# rearm2 28-35, order 36, rearm3 37-44, args 45, after 46, flip 47-54 (never armed), vary 55-62 (ranks other
+# than 0 ask for another chunk count every other call: the group still arms, and flip's last call is alike).
+SHARED = [*range(2, 10), *range(14, 18), *range(23, 27), *range(32, 36), *range(41, 45)]
+RIDES = [*SHARED, *range(58, 63)]
 # Four ranks (two per host): bfloat16 products are gathered and summed on each rank (not one allreduce), so the
 # bf16 phase neither rides nor arms, and "shape" meets a disarmed group (its error comes from the agreement).
-RIDES_4 = [*range(2, 10), *range(23, 27), *range(32, 36), *range(41, 45)]
+RIDES_4 = [*range(2, 10), *range(23, 27), *range(32, 36), *range(41, 45), *range(58, 63)]
 # mk (2 or 4 ranks: its half-type allreduce sums bf16 products, so the bf16 phase rides too), then
 # gemm_reducescatter: rs 55-62 (arms after 4 alike), rs_shape 63 (rank 1 vetoes), rs_after 64-75 (arms after 4);
-# allgather_gemm: ag 76-83 (76 vetoes the reduce-scatter's arming), ag_shape 84 (rank 1 vetoes), ag_after 85-96.
-RIDES_MK = [*RIDES, *range(59, 63), *range(68, 76), *range(80, 84), *range(89, 97)]
+# allgather_gemm: ag 76-83 (76 vetoes the reduce-scatter's arming), ag_shape 84 (rank 1 vetoes), ag_after 85-96;
+# then vary 97-104.
+RIDES_MK = [*SHARED, *range(59, 63), *range(68, 76), *range(80, 84), *range(89, 97), *range(101, 105)]
 BACKENDS = {"gloo": {}, "mk": {"SUPERKERNEL_OPS_RING_MIN_ROWS": "100000"}}  # (mk: the one collective, no ring)
 
 
@@ -68,7 +71,7 @@ def check_errors(rep: dict, backend: str) -> None:
 def test_alike_calls_ride_and_any_difference_agrees_as_usual(per_host: int, backend: str) -> None:
     results = two_host_job("fold", per_host=per_host, backend=backend)
     if backend == "mk":
-        rides, disarmed = RIDES_MK, [10, 18, 27, 36, 45, 63, 76, 84]
+        rides, disarmed = RIDES_MK, [10, 18, 27, 36, 45, 63, 76, 84, 97]
     else:
         rides, disarmed = (RIDES, [10, 18, 27, 36, 45]) if per_host == 1 else (RIDES_4, [10, 27, 36, 45])
     reports = rank_reports(results, per_host=per_host)
