@@ -314,9 +314,9 @@ class GemmAgreement {
   }
   // The hash a rank's call rides on: its descriptor's values, without the last three (the tuner's two and the
   // chunk proposal) on ranks other than 0, whose proposal never decides the path (rank 0's does) and whose
-  // tuner may go on timing calls after rank 0's has settled (its candidates come from its own link estimate):
-  // those change every call and would keep the group from arming. Rank 0's stay in: while its tuner times
-  // calls, they change, and the group does not arm.
+  // tuner was seen timing calls on after rank 0's had settled (mk, 2 namespace hosts, bench/README.md): those
+  // change every call and would keep the group from arming. Rank 0's stay in: while its tuner times calls,
+  // they change, and the group does not arm.
   static uint64_t ride_key(const char* op, int rank, std::vector<int64_t> values) {
     if (rank != 0) values.resize(values.size() - std::min<size_t>(values.size(), 3));
     return Pipeline::fold_key(op, values);
