@@ -1095,7 +1095,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
                    std::move(carried), may_ride);
   if (ga.rides()) {
     // The call the group armed with, again on this rank (same descriptor): every rank's block of its products,
-    // each followed by the header, and the one reduce-scatter that call made (on this thread, as its last one).
+    // each with the header, and the one reduce-scatter that call made (on this thread, as its last one).
     const Pipeline::FoldPlan plan = ga.fold_plan();
     TORCH_INTERNAL_ASSERT(plan.kind == Pipeline::FoldPlan::Kind::reduce_scatter && plan.elems == mb * n, "mk ",
                           op, ": rank ", g.rank, ": the folded call's block has ", plan.elems,

@@ -410,10 +410,10 @@ std::vector<float> fold_word(int64_t flag, uint64_t gen, uint64_t seq) {
   return w;
 }
 
-// A ride's (or a veto's) buffer: the plan's blocks (one, or one per rank for a reduce-scatter), each a payload and
-// a header of one slot per rank (FoldPlan says where), this rank's word in its slot of every block and zeros
-// elsewhere. The header is written element by element (no ATen ops: a call that rides avoids every per-call
-// cost it can).
+// A ride's (or a veto's) buffer: the plan's blocks (one, or one per rank for a reduce-scatter or an allgather),
+// each a payload and a header of one slot per rank (FoldPlan says where), this rank's word in its slot of every
+// block and zeros elsewhere. The header is written element by element (no ATen ops: a call that rides avoids
+// every per-call cost it can).
 at::Tensor fold_header_buffer(const Pipeline::FoldPlan& plan, int size, int rank, const std::vector<float>& word,
                               const at::TensorOptions& opts, bool reused) {
   const int64_t total = plan.blocks(size) * plan.block(size);

@@ -1,5 +1,6 @@
 """Runs inside every rank of a Gloo or mk world across two namespace hosts (tests/ops/test_fold.py): the folded
-agreement (Pipeline::fold_note in csrc/kernels/pipeline.h) of gemm_allreduce, and on mk of gemm_reducescatter.
+agreement (Pipeline::fold_note in csrc/kernels/pipeline.h) of gemm_allreduce, and on mk of gemm_reducescatter
+and allgather_gemm.
 Products large enough to travel by one collective (not inside the agreement), one chunk, so that consecutive
 alike calls arm the group and later ones ride their collective without agreeing. On mk the test sets
 SUPERKERNEL_OPS_RING_MIN_ROWS above m, so the calls take the op's one collective rather than its ring.
