@@ -390,6 +390,40 @@ class GemmAgreement {
   std::vector<std::vector<int64_t>> all_;
 };
 
+// A call riding the armed group's folded agreement (GemmAgreement::rides), for an op whose armed call was one
+// GEMM of `a` ([m, k], rows split evenly over the plan's blocks) and one collective of `kind` over the products:
+// the products made into the plan's payloads (one GEMM where they follow each other), that collective on this
+// thread (as the armed call's last one), and this rank's result as `out_t` when every rank rode; nullopt when
+// one did not (the op then agrees as usual).
+std::optional<at::Tensor> ride_products(Pipeline& p, const GemmAgreement& ga, const Products& prod,
+                                        const at::Tensor& a, int64_t n, Pipeline::FoldPlan::Kind kind,
+                                        at::ScalarType out_t) {
+  const Pipeline::FoldPlan& plan = ga.fold_plan();
+  const int R = p.size();
+  const int64_t m = a.size(0), rows = m / plan.blocks(R);
+  TORCH_INTERNAL_ASSERT(plan.kind == kind && plan.elems == rows * n, "mk ", p.op(), ": rank ", p.rank(),
+                        ": the folded call's block has ", plan.elems, " elements, this call's ", rows * n);
+  at::Tensor buf = p.fold_buffer(plan, a.options());
+  if (plan.one_payload(R)) {
+    prod.into(buf.narrow(0, plan.payload_at(0, R), m * n).view({m, n}), a);
+  } else {  // (one GEMM per block: a header sits between them)
+    for (int q = 0; q < R; ++q)
+      prod.into(buf.narrow(0, plan.payload_at(q, R), rows * n).view({rows, n}), a.narrow(0, q * rows, rows));
+  }
+  p.publish(buf);
+  at::Tensor got = buf;  // (what the collective leaves here: the allreduced buffer, or this rank's block)
+  if (kind == Pipeline::FoldPlan::Kind::reduce_scatter) {
+    got = at::empty({plan.block(R)}, buf.options());
+    p.on_caller([&] { return p.reduce_scatter(buf, got); }).wait();
+  } else {
+    p.on_caller([&] { return p.allreduce(buf); }).wait();
+  }
+  if (!p.fold_landed(got, plan)) return std::nullopt;
+  ga.trace_ride();
+  const at::Tensor mine = p.fold_payload(got, plan, rows, n);
+  return plan.dtype == out_t ? mine : mine.to(out_t);
+}
+
 // gemm_reducescatter on mk: a ring of partial sums straight over the transport. At step s rank r works on
 // block (r - s - 1) mod R: it multiplies its own part of that block, adds the running sum received from the
 // previous rank and sends it on to the next; at the last step the block is r's own and the sum is final.
@@ -591,7 +625,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   }
   // (riding an armed group's folded agreement, see Pipeline::fold_note: mk across hosts, whose plain path is one
   // allgather and one GEMM; not with `gathered` returned, which a ride's blocks do not hold as one tensor)
-  const bool may_ride = g.is_mk() && g.device.is_cpu() && R > 1 && !return_gathered;
+  const bool may_ride = g.is_mk() && g.device.is_cpu() && R > 1 && !p.one_host() && !return_gathered;
   // (n may differ: each rank multiplies the gathered rows by its own b, e.g. an uneven column split)
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(may_ring), true},
@@ -862,31 +896,19 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     carried.data = [&own](int) { return own.data_ptr(); };
   }
   // (riding an armed group's folded agreement, see Pipeline::fold_note: CPU tensors, ranks on more than one host)
-  const bool may_ride = g.device.is_cpu() && R > 1;
+  const bool may_ride = g.device.is_cpu() && R > 1 && !p.one_host();
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
                    {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false},
                     {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
                    std::move(carried), may_ride);
   if (ga.rides()) {
     // The call the group armed with, again on this rank (same descriptor): its product and the one allreduce
-    // that call made, with the header that tells whether every rank rode it.
-    // (not prepare(): a ride needs no fp32 buffer of its own; the collective on this thread, as the armed
-    // call's last one)
-    const Pipeline::FoldPlan plan = ga.fold_plan();
-    TORCH_INTERNAL_ASSERT(plan.kind == Pipeline::FoldPlan::Kind::allreduce && plan.elems == m * n, "mk ", op,
-                          ": rank ", g.rank, ": the folded call's payload has ", plan.elems,
-                          " elements, this call's product ", m * n);
-    const at::Tensor a_ride = a_in.contiguous();
+    // that call made, with the header that tells whether every rank rode it. (Not prepare(): a ride needs no
+    // fp32 buffer of its own.)
     prod.emplace(a_in, b_in, /*exact=*/true, m);
-    at::Tensor buf = p.fold_buffer(plan, a_ride.options());
-    prod->into(buf.narrow(0, plan.payload_at(0, R), m * n).view({m, n}), a_ride);
-    p.publish(buf);
-    p.on_caller([&] { return p.allreduce(buf); }).wait();
-    if (p.fold_landed(buf, plan)) {
-      ga.trace_ride();
-      const at::Tensor sum = p.fold_payload(buf, plan, m, n);
-      return plan.dtype == a_in.scalar_type() ? sum : sum.to(a_in.scalar_type());
-    }
+    if (auto sum = ride_products(p, ga, *prod, a_in.contiguous(), n, Pipeline::FoldPlan::Kind::allreduce,
+                                 a_in.scalar_type()))
+      return *sum;
     prod.reset();
     ga.agree_now();  // a rank did not ride this call: every rank agrees as usual (the product is made again)
   }
@@ -1088,35 +1110,18 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   }
   // (riding an armed group's folded agreement, see Pipeline::fold_note: mk across hosts, whose plain path is one
   // reduce-scatter; other backends sum the blocks here after an alltoall)
-  const bool may_ride = g.is_mk() && g.device.is_cpu() && R > 1;
+  const bool may_ride = g.is_mk() && g.device.is_cpu() && R > 1 && !p.one_host();
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
                    {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false},
                     {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
                    std::move(carried), may_ride);
   if (ga.rides()) {
     // The call the group armed with, again on this rank (same descriptor): every rank's block of its products,
-    // each with the header, and the one reduce-scatter that call made (on this thread, as its last one).
-    const Pipeline::FoldPlan plan = ga.fold_plan();
-    TORCH_INTERNAL_ASSERT(plan.kind == Pipeline::FoldPlan::Kind::reduce_scatter && plan.elems == mb * n, "mk ",
-                          op, ": rank ", g.rank, ": the folded call's block has ", plan.elems,
-                          " elements, this call's ", mb * n);
-    const at::Tensor a_ride = a_in.contiguous();
+    // each with the header, and the one reduce-scatter that call made.
     prod.emplace(a_in, b_in, /*exact=*/true, m);
-    at::Tensor buf = p.fold_buffer(plan, a_ride.options());
-    if (plan.one_payload(R)) {
-      prod->into(buf.narrow(0, plan.payload_at(0, R), m * n).view({m, n}), a_ride);
-    } else {  // (one GEMM per block: a header sits between them)
-      for (int q = 0; q < R; ++q)
-        prod->into(buf.narrow(0, plan.payload_at(q, R), mb * n).view({mb, n}), a_ride.narrow(0, q * mb, mb));
-    }
-    p.publish(buf);
-    at::Tensor got = at::empty({plan.block(R)}, buf.options());
-    p.on_caller([&] { return p.reduce_scatter(buf, got); }).wait();
-    if (p.fold_landed(got, plan)) {
-      ga.trace_ride();
-      const at::Tensor mine = p.fold_payload(got, plan, mb, n);
-      return plan.dtype == a_in.scalar_type() ? mine : mine.to(a_in.scalar_type());
-    }
+    if (auto mine = ride_products(p, ga, *prod, a_in.contiguous(), n, Pipeline::FoldPlan::Kind::reduce_scatter,
+                                  a_in.scalar_type()))
+      return *mine;
     prod.reset();
     ga.agree_now();  // a rank did not ride this call: every rank agrees as usual (the products are made again)
   }
