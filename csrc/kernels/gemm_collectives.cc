@@ -313,10 +313,10 @@ class GemmAgreement {
     return keys;
   }
   // The hash a rank's call rides on: its descriptor's values, without the last three (the tuner's two and the
-  // chunk proposal) on ranks other than 0, whose proposal never decides the path (rank 0's does) and whose
-  // tuner was seen timing calls on after rank 0's had settled (mk, 2 namespace hosts, bench/README.md): those
-  // change every call and would keep the group from arming. Rank 0's stay in: while its tuner times calls,
-  // they change, and the group does not arm.
+  // chunk proposal) on ranks other than 0, whose proposal never decides the path (rank 0's does): a count such a
+  // rank requests may change call to call (so did its tuner fields while its tuner, timing other candidates than
+  // rank 0's, never finished: mk, 2 namespace hosts, bench/README.md; Tuner::follow_first), which would keep the
+  // group from arming. Rank 0's stay in: while its tuner times calls, they change, and the group does not arm.
   static uint64_t ride_key(const char* op, int rank, std::vector<int64_t> values) {
     if (rank != 0) values.resize(values.size() - std::min<size_t>(values.size(), 3));
     return Pipeline::fold_key(op, values);

@@ -685,12 +685,11 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   auto& tuners = state_of(g_).tuners;
   Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi, model.plain_too ? "/plain" : "")];
   if (t.candidates.empty()) {
-    std::vector<int64_t> cands;
-    for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
-      if (std::find(cands.begin(), cands.end(), v) == cands.end()) cands.push_back(v);
-    if (model.plain_too) cands.push_back(kPlainPath);
-    TORCH_INTERNAL_ASSERT(cands.size() <= Tuner::kMostCandidates, "mk ", op_, ": ", cands.size(), " tuner candidates");
-    t.start(std::move(cands));
+    int64_t m = modeled;
+    // Test hook: the count this rank's model gives, as another link estimate or compute rate would give it
+    if (const char* v = std::getenv("SUPERKERNEL_TEST_MODELED_CHUNKS"); v && *v)
+      m = std::clamp<int64_t>(std::atoll(v), 1, std::min<int64_t>(hi, 8));
+    t.start(m, hi, model.plain_too);
   }
   tuner_ = &t;
   return t.next();
@@ -705,6 +704,28 @@ double median_of(std::vector<double> v) {
   return (v[h] + *std::max_element(v.begin(), v.begin() + h)) / 2;
 }
 }  // namespace
+
+std::vector<int64_t> Tuner::candidates_for(int64_t modeled, int64_t hi, bool plain_too) {
+  std::vector<int64_t> cands;
+  for (int64_t v : {modeled, int64_t(1), std::max<int64_t>(1, modeled / 2), std::min<int64_t>(hi, modeled * 2)})
+    if (std::find(cands.begin(), cands.end(), v) == cands.end()) cands.push_back(v);
+  if (plain_too) cands.push_back(kPlainPath);
+  TORCH_INTERNAL_ASSERT(cands.size() <= kMostCandidates, "mk: ", cands.size(), " tuner candidates");
+  return cands;
+}
+
+void Tuner::follow_first(int64_t agreed) {
+  if (agreed < 1 || candidates.empty() || agreed == candidates[0] || done() || last.chunks != 0) return;
+  for (size_t n : calls)
+    if (n != 0) return;  // (not this tuner's first call)
+  start(agreed, hi, plain_too);
+}
+
+void Tuner::start(int64_t modeled, int64_t h, bool plain) {
+  start(candidates_for(modeled, h, plain));
+  hi = h;
+  plain_too = plain;
+}
 
 void Tuner::start(std::vector<int64_t> cands) {
   last = {};
@@ -842,6 +863,7 @@ void Pipeline::use_chunks(int64_t agreed, const std::vector<std::vector<int64_t>
   chunks_used_ = agreed;
   if (!tuner_) return;
   std::lock_guard<std::mutex> lock(states_mu());
+  if (g_.rank != 0) tuner_->follow_first(agreed);
   const Tuner::Last last = tuner_->take_last();
   if (last.chunks == 0) return;
   // the slowest rank's time of that call, when every rank timed it (a rank whose count was not automatic, or

@@ -109,6 +109,8 @@ struct Tuner {
   // The most candidates Pipeline::chunks proposes: 4 chunk counts, and the op's plain path (ChunkModel).
   static constexpr size_t kMostCandidates = 5;
   std::vector<int64_t> candidates;
+  int64_t hi = 1;                            // the most chunks the shape allows (ChunkModel::max_chunks)
+  bool plain_too = false;                    // ChunkModel::plain_too
   std::vector<size_t> calls;                 // calls per candidate (its first, untimed, included)
   std::vector<std::vector<double>> seconds;  // the timed calls per candidate
   // This rank's last call while tuning, not yet recorded (chunks 0: none): its call number on the group, the
@@ -125,7 +127,16 @@ struct Tuner {
     const Last l = std::exchange(last, {});
     return done() ? Last{} : l;
   }
+  // The candidates for a modelled count: it, 1, its half and its double (at most hi), then the plain path.
+  static std::vector<int64_t> candidates_for(int64_t modeled, int64_t hi, bool plain_too);
+  void start(int64_t modeled, int64_t hi, bool plain_too);  // with candidates_for's
   void start(std::vector<int64_t> cands);
+  // Rank 0's proposal on this tuner's first call (every rank uses it): a tuner of another rank whose model gave
+  // another count starts over with the candidates rank 0's count gives, so that every rank times the same
+  // candidates and, recording the same times, chooses alike at the same call. (Each rank models from its own
+  // link estimate and compute rate: on mk between 2 namespace hosts rank 1 modelled 3 chunks where rank 0
+  // modelled 2, and rank 1's tuner, whose candidates 2 and 4 were not, never finished.)
+  void follow_first(int64_t agreed);
   bool done() const { return choice_ != 0; }
   // The candidate to use next: while tuning, the one still to be timed with the fewest calls (`last` counted
   // as made; the first on ties, so in turn), then kept(): the lowest median (equal medians: the fewer chunks,

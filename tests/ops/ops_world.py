@@ -17,11 +17,12 @@ class WorldCache:
     """Runs ``script`` (in tests/ops) with ``args(world, transport)`` once per (world, transport)."""
 
     def __init__(self, script: str, timeout: float = 300, gloo_env: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, per_rank_env: dict[int, dict[str, str]] | None = None) -> None:
         self.script = str(HERE / script)
         self.timeout = timeout
         self.gloo_env = gloo_env or {}  # extra environment of the gloo worlds (e.g. SUPERKERNEL_OPS_TRACE)
         self.env = env or {}            # extra environment of every world
+        self.per_rank_env = per_rank_env or {}  # and of some ranks only
         self._results: dict[tuple[int, str, tuple[str, ...]], list[RankResult]] = {}
 
     def results(self, world: int, transport: str, args: list[str]) -> list[RankResult]:
@@ -30,7 +31,8 @@ class WorldCache:
         if key not in self._results:
             extra = ["--backend", "gloo"] if transport == "gloo" else []
             env = {**self.env, **(self.gloo_env if transport == "gloo" else {"SUPERKERNEL_TRANSPORT": transport})}
-            self._results[key] = run_world(world, self.script, [*args, *extra], timeout=self.timeout, env=env)
+            self._results[key] = run_world(world, self.script, [*args, *extra], timeout=self.timeout, env=env,
+                                           per_rank_env=self.per_rank_env)
         return self._results[key]
 
     def reports(self, world: int, transport: str, args: list[str]) -> list[dict]:

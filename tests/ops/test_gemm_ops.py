@@ -25,6 +25,10 @@ _worlds = WorldCache("gemm_suite.py", timeout=300,
                      env={"SUPERKERNEL_OPS_TRACE": "1", **RING_ON_SMALL_SHAPES})
 _ring_rule = WorldCache("gemm_suite.py", timeout=300,
                         env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"})
+# rank 1's model gives another chunk count than rank 0's (as its own link estimate or compute rate can)
+_models_apart = WorldCache("gemm_suite.py", timeout=300,
+                           env={"SUPERKERNEL_OPS_TRACE": "1", "SUPERKERNEL_OPS_CARRY_BYTES": "0"},
+                           per_rank_env={1: {"SUPERKERNEL_TEST_MODELED_CHUNKS": "3"}})
 _default_rules = WorldCache("gemm_suite.py", timeout=300, env={"SUPERKERNEL_OPS_TRACE": "1"})
 # (Gloo agrees through its shared-memory board from the third call on one host: off, so every agreement is the
 # allgather that carries)
@@ -309,21 +313,28 @@ def test_ring_rows_threshold(world: int) -> None:
         assert not problems, "\n".join(problems[:20])
 
 
-def test_rings_tuned_against_the_plain_path() -> None:
+@pytest.mark.parametrize("models", ["alike", "apart"])
+def test_rings_tuned_against_the_plain_path(models: str) -> None:
     """Across hosts (tcp) with the default ring threshold and an automatic chunk count, each GEMM op times its
     plain path (one GEMM and mk's collective) beside the ring's chunk counts: while tuning both run, every rank
     takes the same path on every call (rank 0's proposal), tuning ends within its bound and then one path
     stays; every result matches the float64 reference, and allgather_gemm's and gemm_allreduce's are the same
     bytes on both ranks. Each tuning call is recorded on both ranks as the slower rank's time, so both tuners
-    choose alike."""
+    choose alike at the same call, also when rank 1's model gives another count than rank 0's ('apart': it
+    takes rank 0's candidates from its first proposal; before, its tuner never finished), and from then on
+    rank 1 proposes what rank 0 does."""
     calls = 1 + _C.tuner_limits()["most_calls"] + 6
-    results = _ring_rule.results(2, "tcp", ["--tune-plain", str(calls)])
+    results = (_ring_rule if models == "alike" else _models_apart).results(2, "tcp", ["--tune-plain", str(calls)])
     trace = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank \d+ call \d+\] m=(?:96|128) "
-                       r"k(?:_r)?=\d+ n=24 (\w+) chunks=(\d+|plain) \(proposed (?:\d+|plain), automatic\)")
+                       r"k(?:_r)?=\d+ n=24 (\w+) chunks=(\d+|plain) \(proposed (\d+|plain), automatic\)")
     per_rank = []
     for res in results:
         agreed: dict[tuple[str, str], list[str]] = {}
-        for op, dtype, chunks in trace.findall(res.stderr):
+        for op, dtype, chunks, proposed in trace.findall(res.stderr):
+            # (every rank's tuner proposes the count agreed, rank 0's, but another rank on the first call)
+            assert proposed == chunks or (res.rank != 0 and (op, dtype) not in agreed), \
+                f"rank {res.rank}: {op} {dtype} call {len(agreed.get((op, dtype), []))}: proposed {proposed}, " \
+                f"agreed {chunks}"
             agreed.setdefault((op, dtype), []).append(chunks)
         assert len(agreed) == 6 and all(len(v) == calls for v in agreed.values()), \
             f"rank {res.rank}: {[(k, len(v)) for k, v in agreed.items()]}"
