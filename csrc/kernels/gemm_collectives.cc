@@ -405,10 +405,10 @@ std::optional<at::Tensor> ride_products(Pipeline& p, const GemmAgreement& ga, co
                         ": the folded call's block has ", plan.elems, " elements, this call's ", rows * n);
   at::Tensor buf = p.fold_buffer(plan, a.options());
   if (plan.one_payload(R)) {
-    prod.into(buf.narrow(0, plan.payload_at(0, R), m * n).view({m, n}), a);
+    prod.into(rows_of(buf, plan.payload_at(0, R), m, n), a);
   } else {  // (one GEMM per block: a header sits between them)
     for (int q = 0; q < R; ++q)
-      prod.into(buf.narrow(0, plan.payload_at(q, R), rows * n).view({rows, n}), a.narrow(0, q * rows, rows));
+      prod.into(rows_of(buf, plan.payload_at(q, R), rows, n), a.narrow(0, q * rows, rows));
   }
   p.publish(buf);
   at::Tensor got = buf;  // (what the collective leaves here: the allreduced buffer, or this rank's block)
@@ -644,16 +644,18 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     const Products ride(a_in, b_in, /*exact=*/false, R * m, /*widen_anyway=*/false, plan.aux);
     at::Tensor buf = p.fold_buffer(plan, a_ride.options(), /*reused=*/true);
     const int64_t block = plan.block(R);
-    copy_bytes(buf.narrow(0, plan.payload_at(r, R), m * k).data_ptr(), a_ride.data_ptr(), a_ride.nbytes());
-    p.on_caller([&] { return p.allgather(buf.narrow(0, int64_t(r) * block, block), buf); }).wait();
+    copy_bytes(static_cast<char*>(buf.data_ptr()) + plan.payload_at(r, R) * buf.element_size(), a_ride.data_ptr(),
+               a_ride.nbytes());
+    const at::Tensor own = alias_of(buf, buf.storage_offset() + r * block, {block}, {1});
+    p.on_caller([&] { return p.allgather(own, buf); }).wait();
     if (p.fold_landed(buf, plan)) {
       ga.trace_ride();
       at::Tensor out = at::empty({R * m, n}, a_ride.options());
       if (plan.one_payload(R)) {
-        ride.into(out, buf.narrow(0, plan.payload_at(0, R), R * m * k).view({R * m, k}));
+        ride.into(out, rows_of(buf, plan.payload_at(0, R), R * m, k));
       } else {  // (one GEMM per shard: a header sits between them)
         for (int q = 0; q < R; ++q)
-          ride.into(out.narrow(0, q * m, m), buf.narrow(0, plan.payload_at(q, R), m * k).view({m, k}));
+          ride.into(out.narrow(0, q * m, m), rows_of(buf, plan.payload_at(q, R), m, k));
       }
       return {out, a_ride.new_empty({0, k})};
     }

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <thread>
 
@@ -65,9 +66,13 @@ using Lane = JobThread;
 // Other backends on CPU: allgathers of at most this many bytes per rank run as an alltoall (Pipeline::allgather).
 constexpr size_t kAlltoallGatherBytes = size_t(256) << 10;
 
+// A tuner's op and shape: the op, its ChunkModel's bytes and flops, the most chunks, whether the plain path is
+// a candidate. (A tuple, not text: formatting the two doubles cost microseconds on every op call.)
+using TunerKey = std::tuple<std::string, double, double, int64_t, bool>;
+
 struct GroupState {
   c10::weak_intrusive_ptr<c10d::ProcessGroup> pg{c10::intrusive_ptr<c10d::ProcessGroup>()};  // whose state
-  std::map<std::string, Tuner> tuners;  // automatic chunk counts by op and shape
+  std::map<TunerKey, Tuner> tuners;  // automatic chunk counts by op and shape
   uint64_t next_seq = 0;
   int one_host = -1;   // non-mk backends: every rank on this host (learned from the first agreement; -1 unknown)
   std::shared_ptr<AgreementBoard> board;  // the agreement board (group.h, agreement_board.h), once created
@@ -176,14 +181,6 @@ double gemm_flops_per_second(at::ScalarType t, const c10::Device& device) {
   return rate;
 }
 
-// A new tensor over `t`'s storage with this geometry, made without the dispatcher (each op through it costs a
-// microsecond or more: narrow and view of a scratch buffer took 6.3-6.9 us per call inside allgather_gemm on
-// the AMD VM, 0.5 us made this way). No autograd history, no base.
-at::Tensor alias_of(const at::Tensor& t, int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
-  auto alias = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
-  alias.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
-  return alias;
-}
 
 // What a collective hands to another thread (a backend's worker, the lane): a tensor of its own over the same
 // memory. That thread may drop its references after the op has returned; dropping a view releases its base,
@@ -202,6 +199,14 @@ at::Tensor handoff_flat(const at::Tensor& t) {
 }
 
 }  // namespace
+
+// (narrow and view of a scratch buffer took 6.3-6.9 us per call inside allgather_gemm on the AMD VM, 0.5 us made
+// this way)
+at::Tensor alias_of(const at::Tensor& t, int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  auto alias = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  alias.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return alias;
+}
 
 // ---------------------------------------------------------------- Pending
 
@@ -417,11 +422,12 @@ std::vector<float> fold_word(int64_t flag, uint64_t gen, uint64_t seq) {
 at::Tensor fold_header_buffer(const Pipeline::FoldPlan& plan, int size, int rank, const std::vector<float>& word,
                               const at::TensorOptions& opts, bool reused) {
   const int64_t total = plan.blocks(size) * plan.block(size);
-  at::Tensor buf = reused ? scratch(1, total, opts.dtype(plan.dtype)).view({total})
+  at::Tensor buf = reused ? alias_of(scratch(1, total, opts.dtype(plan.dtype)), 0, {total}, {1})
                           : at::empty({total}, opts.dtype(plan.dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, plan.dtype, "fold_header", [&] {
+    scalar_t* const base = buf.data_ptr<scalar_t>();
     for (int64_t j = 0; j < plan.blocks(size); ++j) {
-      scalar_t* h = buf.data_ptr<scalar_t>() + plan.header_at(j, size);
+      scalar_t* h = base + plan.header_at(j, size);
       for (int64_t i = 0; i < plan.header(size); ++i) h[i] = scalar_t(0);
       for (int i = 0; i < kFoldSlot; ++i) h[int64_t(rank) * kFoldSlot + i] = scalar_t(word[size_t(i)]);
     }
@@ -482,7 +488,7 @@ int64_t Pipeline::FoldPlan::header_at(int64_t j, int size) const {
 
 at::Tensor Pipeline::fold_payload(const at::Tensor& buf, const FoldPlan& plan, int64_t rows, int64_t cols) const {
   const int64_t j = plan.kind == FoldPlan::Kind::reduce_scatter ? g_.rank : 0;  // (the block this rank holds)
-  return buf.narrow(0, plan.payload_at(j, g_.size) - j * plan.block(g_.size), plan.elems).view({rows, cols});
+  return rows_of(buf, plan.payload_at(j, g_.size) - j * plan.block(g_.size), rows, cols);
 }
 
 bool Pipeline::fold_landed(const at::Tensor& buf, const FoldPlan& plan) {
@@ -657,6 +663,19 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   // allgather_gemm 256^3 0.92-0.93x of the unfused composition against 0.86-0.94x, 1024^3 1.00x against
   // 0.95-0.97x; gemm_allreduce level (0.95-1.00x); Gloo gemm_reducescatter 1024x128x1024 with 3 chunks 0.61x.
   if (g_.device.is_cpu() && one_host()) return 1;
+  // The tuner of this op and shape, once it has started: its next candidate (the model below only gives the
+  // candidates it starts with; worked out on every call, with the tuner's key as text, it cost 8-11 us of CPU a
+  // call, allgather_gemm between 2 namespace hosts)
+  const TunerKey key{op_, model.comm_bytes, model.flops, hi, model.plain_too};
+  {
+    std::lock_guard<std::mutex> lock(states_mu());
+    auto& tuners = state_of(g_).tuners;
+    auto it = tuners.find(key);
+    if (it != tuners.end() && !it->second.candidates.empty()) {
+      tuner_ = &it->second;
+      return tuner_->next();
+    }
+  }
   // Link estimate: measured (lane collectives on this group) when available, else by transport kind.
   double bw = 0, lat = 0;
   {
@@ -682,8 +701,7 @@ int64_t Pipeline::chunks(int64_t requested, const ChunkModel& model) {
   // are timed in turn (see Tuner), then the lowest median is kept (rank 0's proposal is the one every rank
   // uses).
   std::lock_guard<std::mutex> lock(states_mu());
-  auto& tuners = state_of(g_).tuners;
-  Tuner& t = tuners[cat(op_, "/", model.comm_bytes, "/", model.flops, "/", hi, model.plain_too ? "/plain" : "")];
+  Tuner& t = state_of(g_).tuners[key];
   if (t.candidates.empty()) {
     int64_t m = modeled;
     // Test hook: the count this rank's model gives, as another link estimate or compute rate would give it
