@@ -181,7 +181,6 @@ double gemm_flops_per_second(at::ScalarType t, const c10::Device& device) {
   return rate;
 }
 
-
 // What a collective hands to another thread (a backend's worker, the lane): a tensor of its own over the same
 // memory. That thread may drop its references after the op has returned; dropping a view releases its base,
 // which by then can be the op's output owned by a Python object, and that release needs the GIL (a Gloo

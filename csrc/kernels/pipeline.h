@@ -529,9 +529,9 @@ at::Tensor scratch(int64_t rows, int64_t cols, const at::TensorOptions& opts);
 // without the dispatcher: for the views of a hot path (narrow and view cost a microsecond or more each).
 // No autograd history, no base.
 at::Tensor alias_of(const at::Tensor& t, int64_t offset, c10::IntArrayRef sizes, c10::IntArrayRef strides);
-// rows * cols elements of contiguous `t` from element `at` on, as [rows, cols] (alias_of).
-inline at::Tensor rows_of(const at::Tensor& t, int64_t at, int64_t rows, int64_t cols) {
-  return alias_of(t, t.storage_offset() + at, {rows, cols}, {cols, 1});
+// rows * cols elements of contiguous `t` from its element `from` on, as [rows, cols] (alias_of).
+inline at::Tensor rows_of(const at::Tensor& t, int64_t from, int64_t rows, int64_t cols) {
+  return alias_of(t, t.storage_offset() + from, {rows, cols}, {cols, 1});
 }
 
 }  // namespace mk::kernels
