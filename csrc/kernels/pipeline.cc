@@ -732,9 +732,9 @@ std::vector<int64_t> Tuner::candidates_for(int64_t modeled, int64_t hi, bool pla
 }
 
 void Tuner::follow_first(int64_t agreed) {
-  if (agreed < 1 || candidates.empty() || agreed == candidates[0] || done() || last.chunks != 0) return;
+  if (agreed < 1 || candidates.empty() || agreed == candidates[0] || last.chunks != 0) return;
   for (size_t n : calls)
-    if (n != 0) return;  // (not this tuner's first call)
+    if (n != 0) return;  // (not this tuner's first call; a tuner that is done has made calls)
   start(agreed, hi, plain_too);
 }
 

@@ -1,8 +1,8 @@
 """The folded agreement between two hosts (network namespaces joined by a veth pair; the protocol in
 csrc/kernels/pipeline.h, Pipeline::fold_note), on Gloo (gemm_allreduce) and on mk (gemm_allreduce,
-gemm_reducescatter and allgather_gemm): alike calls arm the group, later ones ride their collective without agreeing, and any
-call that differs (other shapes on one rank or on all, another op, an argument error) disarms it so the usual
-agreement runs: an error on every rank where the ranks differ, the right result where they all changed.
+gemm_reducescatter and allgather_gemm): alike calls arm the group, later ones ride their collective without
+agreeing, and any call that differs (other shapes on one rank or on all, another op, an argument error) disarms it
+so the usual agreement runs: an error on every rank where the ranks differ, the right result where they all changed.
 Checked with tests/ops/fold_world.py: results against float64, exactly which calls rode, the errors, one rank
 refusing (SUPERKERNEL_OPS_FOLD=0), and a rank that stays away or exits while its peer rides."""
 from __future__ import annotations
