@@ -132,10 +132,12 @@ def loss_weights(case: str, r: int, n_recv: int, dtype: torch.dtype) -> tuple[to
             torch.randn(t0 + dt * r, f, generator=g, dtype=torch.float64).to(dtype))
 
 
-def grad_case(case: str, dtype: torch.dtype, y_term: bool, train_w: bool, train_tw: bool) -> None:
+def grad_case(case: str, dtype: torch.dtype, y_term: bool, train_w: bool, train_tw: bool,
+              tw_dtype: torch.dtype | None = None) -> None:
     """Gradients of the sum over ranks of L_p = sum(y_p * Wy_p) + sum(combine(y_p) * Wo_p) (the y term
-    optional) against float64 autograd of the same sum computed from every rank's inputs."""
-    name = f"{case} {dtype} y_term={y_term} train_w={train_w} train_tw={train_tw}"
+    optional) against float64 autograd of the same sum computed from every rank's inputs. ``tw_dtype``: the
+    router weights in another dtype than x and w (their values as rounded to ``dtype``)."""
+    name = f"{case} {dtype} y_term={y_term} train_w={train_w} train_tw={train_tw} tw_dtype={tw_dtype}"
     er = CASES[case][5]
     every = [inputs(case, r, dtype) for r in range(world)]
     X = [x.double().requires_grad_() for x, *_ in every]
@@ -160,7 +162,7 @@ def grad_case(case: str, dtype: torch.dtype, y_term: bool, train_w: bool, train_
 
     x, ids, tw, w = every[rank]
     x = x.to(device).requires_grad_()
-    tw, w = tw.to(device).requires_grad_(train_tw), w.to(device).requires_grad_(train_w)
+    tw, w = tw.to(device, tw_dtype or dtype).requires_grad_(train_tw), w.to(device).requires_grad_(train_w)
     y, _, handle = moe_dispatch_gemm(x, ids.to(device), w)
     loss = (moe_combine(y, handle, tw) * my_wo.to(device)).sum()
     if y_term:
@@ -170,7 +172,7 @@ def grad_case(case: str, dtype: torch.dtype, y_term: bool, train_w: bool, train_
         if not ref.requires_grad:
             if leaf.grad is not None:
                 failures["grad"].append(f"{name}: {what} set on a tensor that does not require grad")
-        elif leaf.grad is None or leaf.grad.dtype != dtype:
+        elif leaf.grad is None or leaf.grad.dtype != leaf.dtype:
             failures["grad"].append(f"{name}: {what} {'missing' if leaf.grad is None else leaf.grad.dtype}")
         elif problem := close(leaf.grad.cpu(), ref.grad, GRAD_TOL[dtype]):
             failures["grad"].append(f"{name}: {what}: {problem}")
@@ -306,6 +308,12 @@ def run(opcheck: bool) -> None:
                 except Exception:
                     failures["grad"].append(f"{case} {dtype} y_term={y_term} train_w={train_w}: "
                                             f"{traceback.format_exc(limit=4)[-1500:]}")
+    # fp32 router weights with half-type rows (the backward's dots then stay in fp32)
+    for dtype in (d for d in DTYPES if d != torch.float32):
+        try:
+            grad_case("uniform", dtype, True, True, True, tw_dtype=torch.float32)
+        except Exception:
+            failures["grad"].append(f"uniform {dtype} tw float32: {traceback.format_exc(limit=4)[-1500:]}")
     check_errors()
     if opcheck:
         check_opcheck()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from superkernel import _C
-from superkernel.ops.autograd import product
+from superkernel.ops.autograd import product, product_into
 
 _ONEDNN = {torch.float32: lambda: True,
            torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
@@ -66,6 +66,29 @@ def test_product_is_atens_matmul_or_the_widened_one_as_onednn_allows(dtype: torc
     exact = x.double() @ y.double()
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}[dtype]
     assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("case", ["small", "large", "small-but-wide-b"])
+@pytest.mark.parametrize("dtype", list(_ONEDNN), ids=str)
+def test_product_into_writes_the_same_product(dtype: torch.dtype, case: str) -> None:
+    """product_into (the MoE backward's products, each expert's into its rows of one buffer) writes exactly
+    what product returns, into a view of a larger buffer, and touches nothing else of it."""
+    rows, n = _rows_and_n(dtype, case)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, _K, generator=g).to(dtype)
+    y = torch.randn(n, _K, generator=g).to(dtype).t()
+    buf = torch.full((rows + 2, n), float("nan"), dtype=dtype)
+    product_into(buf[1:rows + 1], x, y)
+    assert torch.equal(buf[1:rows + 1], product(x, y))
+    assert buf[0].isnan().all() and buf[rows + 1].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", list(_ONEDNN), ids=str)
+def test_product_into_an_empty_inner_dimension_gives_zeros(dtype: torch.dtype) -> None:
+    """An expert that received no rows: its weight gradient X_e^T @ dy_e over zero rows is zeros."""
+    out = torch.full((3, 5), float("nan"), dtype=dtype)
+    product_into(out, torch.empty((3, 0), dtype=dtype), torch.empty((0, 5), dtype=dtype))
+    assert torch.equal(out, torch.zeros((3, 5), dtype=dtype))
 
 
 def _limits(env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@
 
 Each rank holds queries, keys and values of s positions of a sequence of R*s (contiguous or zigzag, see
 ``superkernel.ops.attention``). The backward recomputes the attention probabilities from the saved
-log-sum-exp, block by block, as FlashAttention's backward does, in fp32:
+log-sum-exp, as FlashAttention's backward does:
 
   P = exp(scale * q k^T - lse)   (0 where the causal mask hides a key)
   D = rowsum(dout * out) - dlse
@@ -12,11 +12,13 @@ with the gradient of the log-sum-exp output (``dlse``) folded into D. Keys and v
 gathered once (one all-gather of K and V together, in the input dtype); this rank's contributions to every
 rank's dk and dv (fp32) are summed onto their owners by one reduce-scatter. The query heads that share a
 key/value head are stacked along the rows, so each block is one product per kv head. When the log-sum-exp
-output has no gradient (the usual case) on CPU, each block goes through ATen's FlashAttention backward
-kernel (_blocks_aten); otherwise through the products above in tiles of query rows whose scores stay near
-1 MiB (_blocks_tiled). Memory: the gathered K/V (R blocks, as the forward's one-host path holds) and one
-block's or tile's working set; key blocks the causal mask hides entirely are skipped. Every rank must run
-the backward (the gather and the reduce-scatter are collective). Gradients come back in the inputs' dtypes.
+output has no gradient (the usual case) on CPU, ATen's FlashAttention backward kernel takes every visible key
+block in one call (_visible_aten), in the input dtype where ATen's GEMM is fast on it (as the unfused SDPA
+runs), else in fp32; otherwise the products above run in fp32, block by block, in tiles of query rows whose
+scores stay near 1 MiB (_blocks_tiled). Memory: the gathered K/V (R blocks, as the forward's one-host path
+holds) and the visible blocks' keys and values in one piece, or one tile's working set; key blocks the causal
+mask hides entirely are skipped. Every rank must run the backward (the gather and the reduce-scatter are
+collective). Gradients come back in the inputs' dtypes.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from superkernel.ops.attention import zigzag_positions
-from superkernel.ops.autograd import all_gather, reduce_scatter
+from superkernel.ops.autograd import _WIDENED_ON_CPU, all_gather, reduce_scatter
 from superkernel.ops.group_names import group_rank, group_size
 
 
@@ -53,35 +55,49 @@ def _row_tile(heads: int, rows: int, keys: int) -> int:
 _TILE_ELEMENTS = 1 << 18
 
 
-def _blocks_aten(qf: torch.Tensor, do: torch.Tensor, of: torch.Tensor, lse: torch.Tensor, kv: torch.Tensor,
-                 blocks: list, scale: float, dq: torch.Tensor, dkv: torch.Tensor) -> None:
-    """Each key block through ATen's FlashAttention backward for CPU, given the whole sequence's output and
-    log-sum-exp: with those, a block's probabilities exp(scale q k^T - lse) are its share of the global
-    softmax, so the kernel returns exactly that block's dq share, dk and dv. The kernel forms D from dout
-    and out itself, so this path is taken only when the log-sum-exp output has no gradient. Its mask must be
-    additive (a boolean one is read as 0/1 numbers), so a masked block goes one query head at a time with
-    one [s, s] float mask instead of a [g*s, s] one. Measured on one core, b=1 hq=8 hkv=2 s=2048 (2 blocks
-    of 2048 keys) fp32: 553 ms, against 720-814 ms for the tiled products (tiles of 64-1024 rows) and
-    583 ms for SDPA's own backward over the gathered sequence."""
+def _visible_aten(qs: torch.Tensor, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv: torch.Tensor,
+                  blocks: list, scale: float, dkv: torch.Tensor) -> torch.Tensor:
+    """The visible key blocks at once through ATen's FlashAttention backward for CPU, given the whole
+    sequence's output and log-sum-exp: the call the unfused SDPA over the gathered sequence makes (its
+    rounding too: each gradient made in fp32 inside and rounded once to the operands' dtype), without the
+    blocks the causal mask hides entirely. Returns dq ([b, hkv, g*s, d] as stacked, in the operands' dtype)
+    and writes dk and dv into dkv's visible blocks (fp32). The kernel forms D from dout and out itself, so
+    this path is taken only when the log-sum-exp output has no gradient. Its mask must be additive (a
+    boolean one is read as 0/1 numbers), so under a mask each query head goes alone with one [s, keys] float
+    mask instead of a [g*s, keys] one. Measured on one core, b=1 hq=8 hkv=2 s=2048 (2 blocks of 2048 keys)
+    fp32, one call per block: 553 ms, against 720-814 ms for the tiled products (tiles of 64-1024 rows) and
+    583 ms for SDPA's own backward over the gathered sequence; b=1 hq=8 hkv=2 s=512x2 d=64 bf16, forward and
+    backward on 2 ranks: 43.9 ms made in fp32 block by block, against 39.8 ms unfused."""
+    b, hkv, rows_all, d = qs.shape
     s = kv.shape[4]
-    g = qf.shape[2] // max(1, s)
-    qf, do, of, lse = (t.contiguous() for t in (qf, do, of, lse))
-    for r, visible in blocks:
-        kr, vr = kv[r, 0].float(), kv[r, 1].float()
-        if visible is None:
-            gq, gk, gv = _flash_backward(do, qf, kr, vr, of, lse, 0.0, False, attn_mask=None, scale=scale)
-            dq.add_(gq)
-            dkv[r, 0], dkv[r, 1] = gk, gv
-            continue
-        mask = torch.zeros(visible.shape, dtype=qf.dtype, device=qf.device).masked_fill_(~visible, float("-inf"))
+    g = rows_all // max(1, s)
+    seen = [r for r, _ in blocks]
+    n = len(seen)
+
+    def keys_of(which: int) -> torch.Tensor:   # [b, hkv, n*s, d]: the visible blocks' keys or values, in order
+        return kv[seen, which].permute(1, 2, 0, 3, 4).reshape(b, hkv, n * s, d).to(qs.dtype)
+    keys, values = keys_of(0), keys_of(1)
+    qs, do, out, lse = (t.contiguous() for t in (qs, do, out, lse))
+    if all(visible is None for _, visible in blocks):
+        dq, dk, dv = _flash_backward(do, qs, keys, values, out, lse, 0.0, False, attn_mask=None, scale=scale)
+    else:
+        every = torch.ones((s, s), dtype=torch.bool, device=qs.device)
+        visible = torch.cat([every if v is None else v for _, v in blocks], dim=1)   # [s, n*s]
+        mask = torch.zeros(visible.shape, dtype=qs.dtype, device=qs.device).masked_fill_(~visible, float("-inf"))
+        dq = torch.empty_like(qs)
+        dk = torch.zeros(keys.shape, dtype=torch.float32, device=qs.device)
+        dv = torch.zeros_like(dk)
         for j in range(g):
             rows = slice(j * s, (j + 1) * s)
-            gq, gk, gv = _flash_backward(do[:, :, rows].contiguous(), qf[:, :, rows].contiguous(), kr, vr,
-                                         of[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), 0.0, False,
+            gq, gk, gv = _flash_backward(do[:, :, rows].contiguous(), qs[:, :, rows].contiguous(), keys, values,
+                                         out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), 0.0, False,
                                          attn_mask=mask, scale=scale)
-            dq[:, :, rows].add_(gq)
-            dkv[r, 0].add_(gk)
-            dkv[r, 1].add_(gv)
+            dq[:, :, rows] = gq
+            dk.add_(gk)
+            dv.add_(gv)
+    dkv[seen, 0] = dk.view(b, hkv, n, s, d).permute(2, 0, 1, 3, 4).to(dkv.dtype)
+    dkv[seen, 1] = dv.view(b, hkv, n, s, d).permute(2, 0, 1, 3, 4).to(dkv.dtype)
+    return dq
 
 
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -119,7 +135,7 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.name, ctx.causal, ctx.scale, ctx.zigzag = name, bool(causal), scale, bool(zigzag)
     ctx.save_for_backward(q, k, v, out, lse)
     # An output the loss does not use gets None, not zeros: a log-sum-exp without a gradient (the usual
-    # case) lets the backward use ATen's kernel (_blocks_aten)
+    # case) lets the backward use ATen's kernel (_visible_aten)
     ctx.set_materialize_grads(False)
 
 
@@ -136,12 +152,15 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
 
     # The g query heads that share a key/value head, stacked along the rows: [b, hkv, g*s, ...]. Each block
     # is then one product per kv head, and the sums of dk and dv over those g heads happen inside the
-    # products.
-    qf = q.float().reshape(b, hkv, g * s, d)
-    do = (dout.float() if dout is not None else torch.zeros_like(q, dtype=torch.float32)).reshape(b, hkv, g * s, d)
-    of = out.float().reshape(b, hkv, g * s, d)
+    # products. ATen's kernel takes a half type as it is where ATen's GEMM is fast on it (as the unfused SDPA
+    # does); the tiled products are in fp32.
+    aten = dlse is None and q.device.type == "cpu" and q.numel() > 0 and kv.numel() > 0
+    as_is = aten and q.dtype in (torch.bfloat16, torch.float16) and q.dtype not in _WIDENED_ON_CPU
+    ct = q.dtype if as_is else torch.float32
+    qf = q.to(ct).reshape(b, hkv, g * s, d)
+    do = (dout.to(ct) if dout is not None else torch.zeros_like(q, dtype=ct)).reshape(b, hkv, g * s, d)
+    of = out.to(ct).reshape(b, hkv, g * s, d)
     q_pos = _positions(me, R, s, ctx.zigzag).to(q.device)
-    dq = torch.zeros_like(qf)
     dkv = torch.zeros((R, 2, b, hkv, s, d), dtype=torch.float32, device=q.device)
     blocks = []   # (r, [s, s] visibility (query i may see key c) or None) of the key blocks seen here
     for r in range(R):
@@ -151,9 +170,10 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
                 continue  # every key of block r comes after every query here
             visible = _positions(r, R, s, ctx.zigzag).to(q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, s]
         blocks.append((r, visible))
-    if dlse is None and q.device.type == "cpu" and qf.numel() > 0 and kv.numel() > 0:
-        _blocks_aten(qf, do, of, lse.reshape(b, hkv, g * s), kv, blocks, scale, dq, dkv)
+    if aten:
+        dq = _visible_aten(qf, do, of, lse.reshape(b, hkv, g * s), kv, blocks, scale, dkv)
     else:
+        dq = torch.zeros_like(qf)
         delta = (do * of).sum(-1, keepdim=True)
         if dlse is not None:
             delta = delta - dlse.float().reshape(b, hkv, g * s, 1)

@@ -71,15 +71,30 @@ def _small(x: torch.Tensor, y: torch.Tensor, limit: int | None) -> bool:
         str(x.dtype).split(".")[1], *sizes, -1 if limit is None else limit)
 
 
+def _widens(x: torch.Tensor, y: torch.Tensor, small_limit: int | None) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and (
+        x.dtype in _WIDENED_ON_CPU or _small(x, y, small_limit))
+
+
 def product(x: torch.Tensor, y: torch.Tensor, small_limit: int | None = None) -> torch.Tensor:
     """x @ y (2-D) in x's dtype, in its fastest exact form: a half type ATen has no fast CPU kernel for, or a
     GEMM too small for its fast kernel's fixed cost, is multiplied in fp32 and rounded once (against float64,
     the same largest error as ATen's fp16 loop at k=256 and k=4096). `small_limit` models another process's
     small-GEMM limit (superkernel._C.small_half_limit there; the tests' models of other ranks' products)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and (
-            x.dtype in _WIDENED_ON_CPU or _small(x, y, small_limit)):
+    if _widens(x, y, small_limit):
         return (x.float() @ y.float()).to(x.dtype)
     return x @ y
+
+
+def product_into(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``product(x, y)`` written into ``out`` (x's dtype, [x rows, y columns]; an empty inner dimension gives
+    zeros)."""
+    if _widens(x, y, None):
+        out.copy_(x.float() @ y.float())
+    elif x.shape[1] == 0:
+        out.zero_()
+    else:
+        torch.mm(x, y, out=out)
 
 
 # ------------------------------------------------------------------------------------------ allgather_gemm
