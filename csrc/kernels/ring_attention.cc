@@ -219,6 +219,12 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), s = q.size(2), d = q.size(3), g = hq / hkv;
   auto f32 = q.options().dtype(at::kFloat);
   const bool one_host_cpu = grp.is_mk() && !p.over_tcp() && q.device().is_cpu();
+  // ATen's fused kernel runs in the input dtype where ATen's GEMM is fast on it, as the unfused SDPA does (fp32
+  // inside, the output rounded once, the log-sum-exp fp32): bf16 made in fp32 was 0.98x of unfused at s=2048x2
+  // on one host here. A half type widened elsewhere (native_half_gemm, as the GEMM ops and the backward
+  // decide) goes in fp32. The ring merges its blocks' outputs in fp32 (a convex combination: a block's output
+  // rounded to the half type moves the result by at most that rounding).
+  const at::ScalarType ct = native_half_gemm(q.scalar_type(), q.device()) ? q.scalar_type() : at::kFloat;
   const bool short_blocks = may_ring && s < ring_min;  // (every rank alike: s and the threshold were agreed)
   if (R > 1 && s > 0 && ((!causal && one_host_cpu) || have_all || short_blocks || tuned_gather)) {
     // Every block already here, blocks too short for the ring across hosts, or no mask and every peer on
@@ -239,8 +245,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
       p.on_caller([&] { return p.allgather(mine, all); }).wait();
       kv = all.permute({1, 2, 3, 0, 4, 5}).reshape({2, b, hkv, R * s, d});
     }
-    auto whole = [&](int64_t i) {  // [b, hq, R·s, d] in fp32, kv heads repeated for GQA
-      at::Tensor t = kv.select(0, i).to(at::kFloat).unsqueeze(2);
+    auto whole = [&](int64_t i) {  // [b, hq, R·s, d] in ct, kv heads repeated for GQA
+      at::Tensor t = kv.select(0, i).to(ct).unsqueeze(2);
       return t.expand({b, hkv, g, R * s, d}).reshape({b, hq, R * s, d});
     };
     std::optional<at::Tensor> mask;  // additive: -inf where a key comes after the query
@@ -254,11 +260,10 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
       std::vector<at::Tensor> keys;
       for (int src = 0; src < R; ++src) keys.push_back(positions(src));
       const at::Tensor later = at::cat(keys).unsqueeze(0).gt(positions(me).unsqueeze(1)).to(q.device());  // [s, R·s]
-      mask = at::zeros({1, 1, s, R * s}, f32).masked_fill_(later.view({1, 1, s, R * s}),
-                                                            -std::numeric_limits<double>::infinity());
+      mask = at::zeros({1, 1, s, R * s}, q.options().dtype(ct))
+                 .masked_fill_(later.view({1, 1, s, R * s}), -std::numeric_limits<double>::infinity());
     }
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), whole(0), whole(1), 0.0, false,
-                                                                   mask, sc);
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(ct), whole(0), whole(1), 0.0, false, mask, sc);
     p.trace(have_all ? "carried" : short_blocks ? "short blocks" : tuned_gather ? "tuned gather" : "one host",
             causal ? ", causal" : ", no mask",
             ": one attention call over ", R * s, " keys (K/V ", kv_bytes, " B a rank)");
@@ -267,6 +272,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
   }
   p.trace("ring: ", R, " blocks");
   at::Tensor q32 = q.to(at::kFloat).reshape({b, hkv, g, s, d});
+  const at::Tensor qct = ct == at::kFloat ? q32 : q.reshape({b, hkv, g, s, d});  // (for the fused kernel)
   at::Tensor out = at::zeros({b, hkv, g, s, d}, f32);
   at::Tensor lse = at::full({b, hkv, g, s}, -std::numeric_limits<double>::infinity(), f32);
   const auto my_chunks = chunks_of(me, R, s, zigzag);
@@ -293,15 +299,17 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
           kb = cur[0].to(at::kFloat);
           vb = cur[1].to(at::kFloat);
           if (on_cpu) {  // repeat kv heads for the fused kernel (a view when there is no grouping)
-            kx = g == 1 ? kb : kb.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
-            vx = g == 1 ? vb : vb.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
+            const at::Tensor kt = cur[0].to(ct), vt = cur[1].to(ct);
+            kx = g == 1 ? kt : kt.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
+            vx = g == 1 ? vt : vt.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
           }
         }
         const bool diagonal = vis == Vis::partial && qc.pos == kc.pos && qc.len == kc.len;
         at::Tensor qv = q32.narrow(3, qc.off, qc.len);
         std::pair<at::Tensor, at::Tensor> part;
         if (on_cpu && (vis == Vis::full || diagonal)) {
-          part = attend_cpu(qv, kx.narrow(2, kc.off, kc.len), vx.narrow(2, kc.off, kc.len), diagonal, sc);
+          part = attend_cpu(qct.narrow(3, qc.off, qc.len), kx.narrow(2, kc.off, kc.len), vx.narrow(2, kc.off, kc.len),
+                            diagonal, sc);
         } else {
           std::optional<at::Tensor> mask;
           if (vis == Vis::partial) mask = causal_mask(qc, kc);

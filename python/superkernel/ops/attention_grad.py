@@ -8,17 +8,17 @@ log-sum-exp, as FlashAttention's backward does:
   D = rowsum(dout * out) - dlse
   dv = P^T dout,  dS = P * (dout v^T - D),  dq = scale * dS k,  dk = scale * dS^T q
 
-with the gradient of the log-sum-exp output (``dlse``) folded into D. Keys and values of all ranks are
-gathered once (one all-gather of K and V together, in the input dtype); this rank's contributions to every
-rank's dk and dv (fp32) are summed onto their owners by one reduce-scatter. The query heads that share a
-key/value head are stacked along the rows, so each block is one product per kv head. When the log-sum-exp
-output has no gradient (the usual case) on CPU, ATen's FlashAttention backward kernel takes every visible key
-block in one call (_visible_aten), in the input dtype where ATen's GEMM is fast on it (as the unfused SDPA
-runs), else in fp32; otherwise the products above run in fp32, block by block, in tiles of query rows whose
-scores stay near 1 MiB (_blocks_tiled). Memory: the gathered K/V (R blocks, as the forward's one-host path
-holds) and the visible blocks' keys and values in one piece, or one tile's working set; key blocks the causal
-mask hides entirely are skipped. Every rank must run the backward (the gather and the reduce-scatter are
-collective). Gradients come back in the inputs' dtypes.
+with the gradient of the log-sum-exp output (``dlse``) folded into D. Keys and values of all ranks are gathered once
+(one all-gather of K and V together, in the input dtype); this rank's contributions to every rank's dk and dv (fp32,
+or the half type where that changes no bit) are summed onto their owners by one reduce-scatter. The query heads that
+share a key/value head are stacked along the rows, so each block is one product per kv head. When the log-sum-exp
+output has no gradient (the usual case) on CPU, ATen's FlashAttention backward kernel takes every visible key block
+in one call (_visible_aten), in the input dtype where ATen's GEMM is fast on it (as the unfused SDPA runs), else in
+fp32; otherwise the products above run in fp32, block by block, in tiles of query rows whose scores stay near 1 MiB
+(_blocks_tiled). Memory: the gathered K/V (R blocks, as the forward's one-host path holds) and the visible blocks'
+keys and values in one piece, or one tile's working set; key blocks the causal mask hides entirely are skipped.
+Every rank must run the backward (the gather and the reduce-scatter are collective). Gradients come back in the
+inputs' dtypes.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _visible_aten(qs: torch.Tensor, do: torch.Tensor, out: torch.Tensor, lse: to
     sequence's output and log-sum-exp: the call the unfused SDPA over the gathered sequence makes (its
     rounding too: each gradient made in fp32 inside and rounded once to the operands' dtype), without the
     blocks the causal mask hides entirely. Returns dq ([b, hkv, g*s, d] as stacked, in the operands' dtype)
-    and writes dk and dv into dkv's visible blocks (fp32). The kernel forms D from dout and out itself, so
+    and writes dk and dv into dkv's visible blocks (in dkv's dtype). The kernel forms D from dout and out itself, so
     this path is taken only when the log-sum-exp output has no gradient. Its mask must be additive (a
     boolean one is read as 0/1 numbers), so under a mask each query head goes alone with one [s, keys] float
     mask instead of a [g*s, keys] one. Measured on one core, b=1 hq=8 hkv=2 s=2048 (2 blocks of 2048 keys)
@@ -161,7 +161,13 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     do = (dout.to(ct) if dout is not None else torch.zeros_like(q, dtype=ct)).reshape(b, hkv, g * s, d)
     of = out.to(ct).reshape(b, hkv, g * s, d)
     q_pos = _positions(me, R, s, ctx.zigzag).to(q.device)
-    dkv = torch.zeros((R, 2, b, hkv, s, d), dtype=torch.float32, device=q.device)
+    # dk, dv: fp32 sums across ranks, except where the half type changes no bit of them: ATen's kernel made
+    # them in it in one call (no mask: no sum over query heads here) and two ranks add the two terms once, in
+    # fp32 inside the backend's half-type sum (mk's, Gloo's), rounded once. Half the bytes: at 1 Gbit/s between
+    # two namespace hosts, bf16 b=1 hq=8 hkv=2 s=2048x2 d=64, the fp32 reduce-scatter took about 8 ms more
+    # than the unfused backward's bf16 one.
+    half_sum = as_is and R == 2 and not ctx.causal
+    dkv = torch.zeros((R, 2, b, hkv, s, d), dtype=ct if half_sum else torch.float32, device=q.device)
     blocks = []   # (r, [s, s] visibility (query i may see key c) or None) of the key blocks seen here
     for r in range(R):
         visible = None
