@@ -61,10 +61,10 @@ def _visible_aten(qs: torch.Tensor, do: torch.Tensor, out: torch.Tensor, lse: to
     sequence's output and log-sum-exp: the call the unfused SDPA over the gathered sequence makes (its
     rounding too: each gradient made in fp32 inside and rounded once to the operands' dtype), without the
     blocks the causal mask hides entirely. Returns dq ([b, hkv, g*s, d] as stacked, in the operands' dtype)
-    and writes dk and dv into dkv's visible blocks (in dkv's dtype). The kernel forms D from dout and out itself, so
-    this path is taken only when the log-sum-exp output has no gradient. Its mask must be additive (a
-    boolean one is read as 0/1 numbers), so under a mask each query head goes alone with one [s, keys] float
-    mask instead of a [g*s, keys] one. Measured on one core, b=1 hq=8 hkv=2 s=2048 (2 blocks of 2048 keys)
+    and writes dk and dv into dkv's visible blocks (in dkv's dtype). The kernel forms D from dout and out
+    itself, so this path is taken only when the log-sum-exp output has no gradient. Its mask must be additive
+    (a boolean one is read as 0/1 numbers), so under a mask each query head goes alone with one [s, keys]
+    float mask instead of a [g*s, keys] one. Measured on one core, b=1 hq=8 hkv=2 s=2048 (2 blocks of 2048 keys)
     fp32, one call per block: 553 ms, against 720-814 ms for the tiled products (tiles of 64-1024 rows) and
     583 ms for SDPA's own backward over the gathered sequence; b=1 hq=8 hkv=2 s=512x2 d=64 bf16, forward and
     backward on 2 ranks: 43.9 ms made in fp32 block by block, against 39.8 ms unfused."""
