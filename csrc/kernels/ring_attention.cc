@@ -290,30 +290,32 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
       moving = p.exchange(cur, right, nxt, left, uint32_t(step));
     }
     const auto their_chunks = chunks_of(src, R, s, zigzag);
+    // This block as each path needs it, made on first use: in fp32 for the generic products; in ct with kv
+    // heads repeated for the fused kernel (a view when there is no grouping).
     at::Tensor kb, vb, kx, vx;
     for (const Chunk& qc : my_chunks) {
       for (const Chunk& kc : their_chunks) {
         const Vis vis = visibility(qc, kc, causal);
         if (vis == Vis::none) continue;
-        if (!kb.defined()) {
-          kb = cur[0].to(at::kFloat);
-          vb = cur[1].to(at::kFloat);
-          if (on_cpu) {  // repeat kv heads for the fused kernel (a view when there is no grouping)
+        const bool diagonal = vis == Vis::partial && qc.pos == kc.pos && qc.len == kc.len;
+        std::pair<at::Tensor, at::Tensor> part;
+        if (on_cpu && (vis == Vis::full || diagonal)) {
+          if (!kx.defined()) {
             const at::Tensor kt = cur[0].to(ct), vt = cur[1].to(ct);
             kx = g == 1 ? kt : kt.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
             vx = g == 1 ? vt : vt.unsqueeze(2).expand({b, hkv, g, s, d}).reshape({b, hq, s, d});
           }
-        }
-        const bool diagonal = vis == Vis::partial && qc.pos == kc.pos && qc.len == kc.len;
-        at::Tensor qv = q32.narrow(3, qc.off, qc.len);
-        std::pair<at::Tensor, at::Tensor> part;
-        if (on_cpu && (vis == Vis::full || diagonal)) {
           part = attend_cpu(qct.narrow(3, qc.off, qc.len), kx.narrow(2, kc.off, kc.len), vx.narrow(2, kc.off, kc.len),
                             diagonal, sc);
         } else {
+          if (!kb.defined()) {
+            kb = cur[0].to(at::kFloat);
+            vb = cur[1].to(at::kFloat);
+          }
           std::optional<at::Tensor> mask;
           if (vis == Vis::partial) mask = causal_mask(qc, kc);
-          part = attend_generic(qv, kb.narrow(2, kc.off, kc.len), vb.narrow(2, kc.off, kc.len), mask, sc);
+          part = attend_generic(q32.narrow(3, qc.off, qc.len), kb.narrow(2, kc.off, kc.len),
+                                vb.narrow(2, kc.off, kc.len), mask, sc);
         }
         merge(part.first, part.second, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
       }

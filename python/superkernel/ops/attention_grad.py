@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from superkernel.ops.attention import zigzag_positions
-from superkernel.ops.autograd import _WIDENED_ON_CPU, all_gather, reduce_scatter
+from superkernel.ops.autograd import all_gather, half_as_is, reduce_scatter
 from superkernel.ops.group_names import group_rank, group_size
 
 
@@ -81,8 +81,7 @@ def _visible_aten(qs: torch.Tensor, do: torch.Tensor, out: torch.Tensor, lse: to
     if all(visible is None for _, visible in blocks):
         dq, dk, dv = _flash_backward(do, qs, keys, values, out, lse, 0.0, False, attn_mask=None, scale=scale)
     else:
-        every = torch.ones((s, s), dtype=torch.bool, device=qs.device)
-        visible = torch.cat([every if v is None else v for _, v in blocks], dim=1)   # [s, n*s]
+        visible = torch.cat([v for _, v in blocks], dim=1)   # [s, n*s] (a causal mask: every block has one)
         mask = torch.zeros(visible.shape, dtype=qs.dtype, device=qs.device).masked_fill_(~visible, float("-inf"))
         dq = torch.empty_like(qs)
         dk = torch.zeros(keys.shape, dtype=torch.float32, device=qs.device)
@@ -155,7 +154,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     # products. ATen's kernel takes a half type as it is where ATen's GEMM is fast on it (as the unfused SDPA
     # does); the tiled products are in fp32.
     aten = dlse is None and q.device.type == "cpu" and q.numel() > 0 and kv.numel() > 0
-    as_is = aten and q.dtype in (torch.bfloat16, torch.float16) and q.dtype not in _WIDENED_ON_CPU
+    as_is = aten and half_as_is(q)
     ct = q.dtype if as_is else torch.float32
     qf = q.to(ct).reshape(b, hkv, g * s, d)
     do = (dout.to(ct) if dout is not None else torch.zeros_like(q, dtype=ct)).reshape(b, hkv, g * s, d)

@@ -71,9 +71,15 @@ def _small(x: torch.Tensor, y: torch.Tensor, limit: int | None) -> bool:
         str(x.dtype).split(".")[1], *sizes, -1 if limit is None else limit)
 
 
+def half_as_is(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a half type that ATen multiplies fast as it is on its CPU (the forward ops' choice,
+    native_half_gemm): the backward formulas then make their products and attention kernels in it."""
+    return t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16) and t.dtype not in _WIDENED_ON_CPU
+
+
 def _widens(x: torch.Tensor, y: torch.Tensor, small_limit: int | None) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and (
-        x.dtype in _WIDENED_ON_CPU or _small(x, y, small_limit))
+        not half_as_is(x) or _small(x, y, small_limit))
 
 
 def product(x: torch.Tensor, y: torch.Tensor, small_limit: int | None = None) -> torch.Tensor:
