@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _resolve_process_group
 
 from superkernel import _C
 
@@ -38,6 +39,16 @@ def transports(group: dist.ProcessGroup | None = None) -> list[str]:
 def peer_hosts(group: dist.ProcessGroup | None = None) -> list[str]:
     """Per rank of ``group``: the host name it runs on."""
     return list(_C.peer_hosts(mk_backend(group)))
+
+
+def network_peers(group: dist.ProcessGroup | str | None = None) -> bool:
+    """Whether ``group`` (a group or its registered name) reaches some peer over the network: on mk, a peer
+    over TCP; a group whose CPU backend is not mk (Gloo, NCCL) counts as one, its transports unknown here."""
+    pg = _resolve_process_group(group) if isinstance(group, str) else group
+    try:
+        return "tcp" in transports(pg)
+    except RuntimeError:   # not mk, or no CPU backend
+        return True
 
 
 def collective_runs(group: dist.ProcessGroup | None = None) -> dict[str, int]:

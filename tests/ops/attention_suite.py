@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import superkernel  # noqa: F401  (registers "mk")
+from superkernel.backend import network_peers
 from superkernel.ops import attention_grad
 from superkernel.ops.attention import ring_attention, zigzag_positions
 from rank_tensors import path_rules_changed
@@ -225,6 +226,31 @@ def run(opcheck: bool) -> None:
     finally:
         attention_grad._TILE_ELEMENTS = saved
     failures["grad"][before:] = [f"[8-row tiles] {f}" for f in failures["grad"][before:]]
+    # Which backward the group takes: the overlapped one where a peer is reached over the network (mk's tcp,
+    # any other backend), the one-call one where every peer shares memory.
+    transport = os.environ.get("SUPERKERNEL_TRANSPORT", "auto")
+    if dist.get_backend() != "mk" or transport != "auto":
+        want = dist.get_backend() != "mk" or (world > 1 and transport == "tcp")
+        if network_peers(None) != want:
+            failures["grad"].append(f"network_peers() is {not want} on {dist.get_backend()} over {transport}")
+    # The own key block split in two halves around the collectives (taken where a peer is reached over the
+    # network, i.e. over tcp here, from 512 keys a half): from one key a half, on both of ATen's paths.
+    saved, attention_grad._SPLIT_MIN_KEYS = attention_grad._SPLIT_MIN_KEYS, 1
+    before = len(failures["grad"])
+    try:
+        for shape, dtype in ((SHAPES[1], torch.float32), (SHAPES[3], torch.bfloat16), (SHAPES[4], torch.float16)):
+            for causal, zigzag in ((False, False), (True, False), (True, True)):
+                if zigzag and shape[3] % 2:
+                    continue
+                for use_lse in (False, True):
+                    try:
+                        grad_case(shape, dtype, causal, zigzag, None, use_lse, True)
+                    except Exception:
+                        failures["grad"].append(f"{shape} {dtype} causal={causal} zigzag={zigzag} lse={use_lse}: "
+                                                f"{traceback.format_exc(limit=4)}")
+    finally:
+        attention_grad._SPLIT_MIN_KEYS = saved
+    failures["grad"][before:] = [f"[own block split] {f}" for f in failures["grad"][before:]]
     check_errors()
     if opcheck:
         check_opcheck()

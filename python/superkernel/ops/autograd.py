@@ -36,11 +36,26 @@ _fc = torch.ops._c10d_functional
 # ------------------------------------------------- collectives of the backward formulas (also attention_grad)
 # torch.distributed's functional collectives on the group registered as `name`, waited for.
 def all_gather(t: torch.Tensor, name: str) -> torch.Tensor:
-    return _fc.wait_tensor(_fc.all_gather_into_tensor(t.contiguous(), group_size(name), name))
+    return wait(start_all_gather(t, name))
+
+
+def start_all_gather(t: torch.Tensor, name: str) -> torch.Tensor:
+    """The gather started and left in flight (the group's backend runs it asynchronously): pass the result
+    to ``wait`` before reading it."""
+    return _fc.all_gather_into_tensor(t.contiguous(), group_size(name), name)
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    return _fc.wait_tensor(t)
 
 
 def reduce_scatter(t: torch.Tensor, name: str) -> torch.Tensor:
-    return _fc.wait_tensor(_fc.reduce_scatter_tensor(t.contiguous(), "sum", group_size(name), name))
+    return wait(start_reduce_scatter(t, name))
+
+
+def start_reduce_scatter(t: torch.Tensor, name: str) -> torch.Tensor:
+    """The sum-reduce-scatter started and left in flight: pass the result to ``wait`` before reading it."""
+    return _fc.reduce_scatter_tensor(t.contiguous(), "sum", group_size(name), name)
 
 
 def all_reduce(t: torch.Tensor, name: str) -> torch.Tensor:
