@@ -26,7 +26,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/logaddexp.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
@@ -87,7 +86,8 @@ at::Tensor finite_or_zero(const at::Tensor& m) { return m.masked_fill(m.isneginf
 void merge(const at::Tensor& bout, const at::Tensor& blse, at::Tensor out, at::Tensor lse) {
   at::Tensor merged = at::logaddexp(lse, blse);
   at::Tensor m = finite_or_zero(merged);
-  out.mul_(at::exp(lse - m).unsqueeze(-1)).add_(bout * at::exp(blse - m).unsqueeze(-1));
+  // (addcmul_: one pass over the output and no temporary of its size; bout may be in the half type)
+  out.mul_(at::exp(lse - m).unsqueeze(-1)).addcmul_(bout, at::exp(blse - m).unsqueeze(-1));
   lse.copy_(merged);
 }
 
@@ -271,11 +271,18 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     return {o.to(q.scalar_type()).contiguous(), l.contiguous()};
   }
   p.trace("ring: ", R, " blocks");
-  at::Tensor q32 = q.to(at::kFloat).reshape({b, hkv, g, s, d});
-  const at::Tensor qct = ct == at::kFloat ? q32 : q.reshape({b, hkv, g, s, d});  // (for the fused kernel)
-  at::Tensor out = at::zeros({b, hkv, g, s, d}, f32);
-  at::Tensor lse = at::full({b, hkv, g, s}, -std::numeric_limits<double>::infinity(), f32);
+  // q in fp32 for the generic products, made on first use; in ct for the fused kernel.
+  at::Tensor q32;
+  auto q_f32 = [&]() -> const at::Tensor& {
+    if (!q32.defined()) q32 = q.to(at::kFloat).reshape({b, hkv, g, s, d});
+    return q32;
+  };
+  const at::Tensor qct = ct == at::kFloat ? q_f32() : q.reshape({b, hkv, g, s, d});
+  // The fp32 accumulators: a query chunk's first block is copied in, the later ones merged.
+  at::Tensor out = at::empty({b, hkv, g, s, d}, f32);
+  at::Tensor lse = at::empty({b, hkv, g, s}, f32);
   const auto my_chunks = chunks_of(me, R, s, zigzag);
+  std::vector<bool> started(my_chunks.size(), false);
   const bool on_cpu = q.device().is_cpu();
 
   // Double-buffered K/V blocks; block i+1 arrives while block i is computed.
@@ -293,7 +300,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
     // This block as each path needs it, made on first use: in fp32 for the generic products; in ct with kv
     // heads repeated for the fused kernel (a view when there is no grouping).
     at::Tensor kb, vb, kx, vx;
-    for (const Chunk& qc : my_chunks) {
+    for (size_t qi = 0; qi < my_chunks.size(); ++qi) {
+      const Chunk& qc = my_chunks[qi];
       for (const Chunk& kc : their_chunks) {
         const Vis vis = visibility(qc, kc, causal);
         if (vis == Vis::none) continue;
@@ -314,16 +322,27 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
           }
           std::optional<at::Tensor> mask;
           if (vis == Vis::partial) mask = causal_mask(qc, kc);
-          part = attend_generic(q32.narrow(3, qc.off, qc.len), kb.narrow(2, kc.off, kc.len),
+          part = attend_generic(q_f32().narrow(3, qc.off, qc.len), kb.narrow(2, kc.off, kc.len),
                                 vb.narrow(2, kc.off, kc.len), mask, sc);
         }
-        merge(part.first, part.second, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
+        if (started[qi]) {
+          merge(part.first, part.second, out.narrow(3, qc.off, qc.len), lse.narrow(3, qc.off, qc.len));
+        } else {
+          out.narrow(3, qc.off, qc.len).copy_(part.first);
+          lse.narrow(3, qc.off, qc.len).copy_(part.second);
+          started[qi] = true;
+        }
       }
     }
     if (!moving.empty()) {
       for (Pending& m : moving) m.wait();
       std::swap(cur, nxt);
     }
+  }
+  for (size_t qi = 0; qi < my_chunks.size(); ++qi) {  // (a chunk no block reached: none yet, every chunk sees its own)
+    if (started[qi]) continue;
+    out.narrow(3, my_chunks[qi].off, my_chunks[qi].len).zero_();
+    lse.narrow(3, my_chunks[qi].off, my_chunks[qi].len).fill_(-std::numeric_limits<double>::infinity());
   }
   return {out.reshape({b, hq, s, d}).to(q.scalar_type()), lse.reshape({b, hq, s})};
 }
