@@ -127,3 +127,19 @@ def test_unmasked_path_tuned_between_hosts() -> None:
     reps = [r.report() for r in results]
     problems = failures_of(reps, "attention")
     assert not problems, "\n".join(problems[:20])
+
+
+_widened = WorldCache("attention_suite.py", timeout=240,
+                      env={"SUPERKERNEL_OPS_CARRY_BYTES": "0", "SUPERKERNEL_OPS_ATTENTION_RING_MIN_SEQ": "1",
+                           "SUPERKERNEL_OPS_WIDEN_HALF": "1"})
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_half_types_widened(transport: str) -> None:
+    """With SUPERKERNEL_OPS_WIDEN_HALF=1 (as on a processor whose oneDNN does not multiply the half type, where
+    the ops make it in fp32): bf16 and fp16 outputs and gradients still match float64 SDPA, on one host (the
+    backward's one call over every block) and between hosts (the own block apart from the gathered ones)."""
+    reps = _widened.reports(2, transport, [])
+    for family in ("attention", "grad"):
+        problems = failures_of(reps, family)
+        assert not problems, "\n".join(problems[:20])

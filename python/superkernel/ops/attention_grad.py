@@ -13,11 +13,11 @@ with the gradient of the log-sum-exp output (``dlse``) folded into D. Keys and v
 (fp32, or the half type where that changes no bit) are summed onto their owners by one reduce-scatter. Where a peer
 is reached over the network, neither collective waits in the open: the first half of this rank's own keys is
 worked while the gather is under way, the second half while the reduce-scatter is (which then leaves the own term
-out; it is added to what arrives). The query heads that share a key/value head are stacked along the rows, so each block is one
-product per kv head. When the log-sum-exp output has no gradient (the usual case) on CPU, ATen's FlashAttention
-backward kernel takes the visible key blocks in one call, or with the overlap the other ranks' in one and each half
-of the own block in one (_aten_grads), in the input dtype where ATen's GEMM is fast on it (as the unfused SDPA
-runs), else in fp32; dq is then the sum of those calls' (each rounded once to that dtype) in fp32.
+out; it is added to what arrives). The query heads that share a key/value head are stacked along the rows, so each
+block is one product per kv head. When the log-sum-exp output has no gradient (the usual case) on CPU, ATen's
+FlashAttention backward kernel takes the visible key blocks in one call, or with the overlap the other ranks' in one
+and each half of the own block in one (_aten_grads), in the input dtype where ATen's GEMM is fast on it (as the
+unfused SDPA runs), else in fp32; dq is then the sum of those calls' (each rounded once to that dtype) in fp32.
 Otherwise the products above run in fp32, in tiles of query rows whose scores stay near 1 MiB (_tiled_grads).
 Memory: the gathered K/V (R blocks, as the forward's one-host path holds) and the visible blocks' keys and values
 in one piece, or one tile's working set; key blocks the causal mask hides entirely are skipped. Every rank must run
@@ -62,9 +62,10 @@ _TILE_ELEMENTS = 1 << 18
 def _aten_grads(qs: torch.Tensor, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, visible: torch.Tensor | None, scale: float) -> tuple:
     """dq, dk, dv of the queries against ``keys``/``values`` ([b, hkv, n, d], any n: one block, several
-    blocks side by side, part of one) through ATen's FlashAttention backward for CPU, given the whole
-    sequence's output and log-sum-exp: the call the unfused SDPA over the gathered sequence makes (its rounding
-    too: each gradient made in fp32 inside and rounded once to the operands' dtype), over fewer keys. dq is
+    blocks side by side, part of one; taken in the queries' dtype) through ATen's FlashAttention backward for
+    CPU, given the whole sequence's output and log-sum-exp: the call the unfused SDPA over the gathered sequence
+    makes (its rounding too: each gradient made in fp32 inside and rounded once to the operands' dtype), over
+    fewer keys. dq is
     [b, hkv, g*s, d] as stacked, in the operands' dtype; dk, dv in it without a mask, in fp32 with one.
     The kernel forms D from dout and out itself, so this path is taken only when the log-sum-exp output has
     no gradient. Its mask must be additive (a boolean one is read as 0/1 numbers), so under a mask
@@ -73,7 +74,7 @@ def _aten_grads(qs: torch.Tensor, do: torch.Tensor, out: torch.Tensor, lse: torc
     hkv=2 s=2048 (2 blocks of 2048 keys) fp32, one call per block: 553 ms, against 720-814 ms for the tiled
     products (tiles of 64-1024 rows) and 583 ms for SDPA's own backward over the gathered sequence."""
     qs, do, out, lse = (t.contiguous() for t in (qs, do, out, lse))
-    keys, values = keys.contiguous(), values.contiguous()
+    keys, values = (t.to(qs.dtype).contiguous() for t in (keys, values))   # (a half type widened: fp32)
     if visible is None:
         return _flash_backward(do, qs, keys, values, out, lse, 0.0, False, attn_mask=None, scale=scale)[:3]
     s = visible.shape[0]
