@@ -234,7 +234,8 @@ def run(opcheck: bool) -> None:
         if network_peers(None) != want:
             failures["grad"].append(f"network_peers() is {not want} on {dist.get_backend()} over {transport}")
     # The own key block split in two halves around the collectives (taken where a peer is reached over the
-    # network, i.e. over tcp here, from 512 keys a half): from one key a half, on both of ATen's paths.
+    # network, i.e. over tcp and Gloo here, from 512 keys a half): from one key a half, through ATen's kernel
+    # (no lse gradient) and the tiled products (with one).
     saved, attention_grad._SPLIT_MIN_KEYS = attention_grad._SPLIT_MIN_KEYS, 1
     before = len(failures["grad"])
     try:

@@ -149,6 +149,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     # keys need no other rank's).
     own = torch.stack([k, v])
     gathering = start_all_gather(own, ctx.name) if R > 1 else None
+    overlap = gathering is not None and network_peers(ctx.name)   # (see below, where the blocks are worked)
 
     # The g query heads that share a key/value head, stacked along the rows: [b, hkv, g*s, ...]. Each block
     # is then one product per kv head, and the sums of dk and dv over those g heads happen inside the
@@ -169,7 +170,9 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     # the fp32 reduce-scatter took about 8 ms more than the unfused backward's bf16 one.
     half_sum = as_is and R == 2 and not ctx.causal
     dkv = torch.zeros((R, 2, b, hkv, s, d), dtype=ct if half_sum else torch.float32, device=q.device)
-    own_grad = torch.zeros_like(dkv[0])   # this rank's own term of its dk, dv (its slot in dkv stays zero)
+    # this rank's own term of its dk, dv, where it is made apart from the gathered blocks (its slot in dkv then
+    # stays zero)
+    own_grad = torch.zeros_like(dkv[0]) if gathering is None or overlap else None
     others = []   # (r, [s, s] visibility (query i may see key c) or None) of the other ranks' key blocks seen here
     for r in range(R):
         if r == me:
@@ -212,7 +215,6 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     # host (mk over shared memory: the gather and the reduce-scatter take well under a millisecond): the own
     # block goes with the others in one call, which costs less than the extra call would hide. dq is made in
     # up to three calls, each rounded once to ct, and added in fp32.
-    overlap = gathering is not None and network_peers(ctx.name)
     half = s // 2 if overlap and s // 2 >= _SPLIT_MIN_KEYS else s
     if gathering is None or overlap:
         own_part(0, half)
