@@ -339,11 +339,9 @@ std::tuple<at::Tensor, at::Tensor> ring_attention(const at::Tensor& q, const at:
       std::swap(cur, nxt);
     }
   }
-  for (size_t qi = 0; qi < my_chunks.size(); ++qi) {  // (a chunk no block reached: none yet, every chunk sees its own)
-    if (started[qi]) continue;
-    out.narrow(3, my_chunks[qi].off, my_chunks[qi].len).zero_();
-    lse.narrow(3, my_chunks[qi].off, my_chunks[qi].len).fill_(-std::numeric_limits<double>::infinity());
-  }
+  for (size_t qi = 0; qi < my_chunks.size(); ++qi)  // (every chunk sees its own positions, so none stays unwritten)
+    TORCH_CHECK(started[qi] || my_chunks[qi].len == 0, "mk ", kOp, ": rank ", me, ": query chunk ", qi,
+                " received no key block (internal error)");
   return {out.reshape({b, hq, s, d}).to(q.scalar_type()), lse.reshape({b, hq, s})};
 }
 

@@ -229,12 +229,11 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
             def side_by_side(which: int) -> torch.Tensor:   # [b, hkv, n*s, d]: the seen blocks' keys or values
                 return kv[seen, which].permute(1, 2, 0, 3, 4).reshape(b, hkv, n * s, d)
             visible = torch.cat([vis for _, vis in seen_blocks], dim=1) if ctx.causal else None   # [s, n*s]
-            if aten:
-                gk = torch.empty((b, hkv, n * s, d), dtype=dkv.dtype, device=q.device)
-                gv = torch.empty_like(gk)
-                work(side_by_side(0), side_by_side(1), visible, gk, gv)
-                dkv[seen, 0] = gk.view(b, hkv, n, s, d).permute(2, 0, 1, 3, 4)
-                dkv[seen, 1] = gv.view(b, hkv, n, s, d).permute(2, 0, 1, 3, 4)
+            if aten:   # (dk, dv straight into their blocks of dkv: one copy)
+                gq, gk, gv = _aten_grads(qf, do, of, lse_rows, side_by_side(0), side_by_side(1), visible, scale)
+                dq_parts.append(gq)
+                dkv[seen, 0] = gk.view(b, hkv, n, s, d).permute(2, 0, 1, 3, 4).to(dkv.dtype)
+                dkv[seen, 1] = gv.view(b, hkv, n, s, d).permute(2, 0, 1, 3, 4).to(dkv.dtype)
             else:
                 for r, vis in seen_blocks:
                     work(kv[r, 0], kv[r, 1], vis, dkv[r, 0], dkv[r, 1])
