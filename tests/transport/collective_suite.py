@@ -247,8 +247,10 @@ def run(large: bool) -> None:
                     dist.reduce_scatter(out2, list(full[rank].chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world, op=OPS[op])
                     return same(out2, want, dtype)
                 check("reduce_scatter", f"{dtype}/{op}/{n}", f)
+    # (large: n rows of 3 floats per peer, so a peer's block is the 18 MB of `big`, as in the other families; the
+    # send buffer holds world such blocks and every rank regenerates every rank's buffer for its reference)
     for dtype in [torch.float32, torch.int16, torch.bool, torch.bfloat16]:
-        for n in [0, 2, 30_001] + (big if dtype == torch.float32 else []):
+        for n in [0, 2, 30_001] + ([b // 3 for b in big] if dtype == torch.float32 else []):
             def f(dtype=dtype, n=n):
                 rows = world * n
                 x = gen(rank, "a2a", rows * 3, dtype).view(rows, 3)
