@@ -77,18 +77,16 @@ def reference(case: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
         expert = rank * er + e
         n = 0
         for x, ids, _, _ in every:
-            for i, j in (ids == expert).nonzero().tolist():  # row-major: token, then choice
-                rows.append(x[i].double() @ ws[rank][e])
-                n += 1
+            tokens = (ids == expert).nonzero()[:, 0]  # row-major: token, then choice
+            rows.append(x[tokens].double() @ ws[rank][e])
+            n += tokens.numel()
         counts.append(n)
     f = CASES[case][3]
-    y = torch.stack(rows) if rows else torch.zeros(0, f, dtype=torch.float64)
+    y = torch.cat(rows) if rows else torch.zeros(0, f, dtype=torch.float64)
     x, ids, tw, _ = every[rank]
-    out = torch.zeros(x.shape[0], f, dtype=torch.float64)
-    for i in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[i, j])
-            out[i] += tw[i, j].double() * (x[i].double() @ ws[e // er][e % er])
+    xw = torch.einsum("th,ehf->tef", x.double(), torch.cat(ws))                 # [t, E, f]
+    picked = xw[torch.arange(ids.shape[0]).unsqueeze(1), ids]                   # [t, k, f]
+    out = (tw.double().unsqueeze(-1) * picked).sum(1)
     return y, torch.tensor(counts), out
 
 
