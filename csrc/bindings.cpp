@@ -5,12 +5,16 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "kernels/eager_call.h"
+#include "kernels/packed_gemm.h"
 #include "kernels/pipeline.h"
 #include "store_worker.h"
 #include "transport/copy.h"
@@ -520,6 +524,34 @@ PYBIND11_MODULE(_C, m) {
       "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
       "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h), "
       "with this process's small_half_limit or `limit` (another process's, as a model of its products).");
+  m.def("packed_gemm_available", &mk::kernels::packed_gemm_available,
+        "Whether the GEMM ops can pack an fp32 b once for their chunks' products (MKL's packed sgemm found in "
+        "this process) and SUPERKERNEL_OPS_PACKED_B does not say 0 (kernels/packed_gemm.h).");
+  m.def(
+      "chunked_mm",
+      [](const at::Tensor& a, const at::Tensor& b, int64_t chunks, bool packed) {
+        TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.scalar_type() == at::kFloat &&
+                        b.scalar_type() == at::kFloat && a.device().is_cpu() && b.device().is_cpu(),
+                    "chunked_mm: fp32 CPU a [m, k] and b [k, n]");
+        TORCH_CHECK(chunks >= 1, "chunked_mm: chunks must be >= 1");
+        const int64_t m = a.size(0);
+        at::Tensor out = at::empty({m, b.size(1)}, a.options());
+        const int64_t rows = (m + chunks - 1) / chunks;
+        std::optional<mk::kernels::PackedB> pb;
+        if (packed) {
+          pb.emplace(b, std::max<int64_t>(rows, 1));
+          TORCH_CHECK(!pb->empty(), "chunked_mm: b could not be packed (packed_gemm_available() is False?)");
+        }
+        for (int64_t lo = 0; lo < m; lo += rows) {
+          const int64_t r = std::min(rows, m - lo);
+          at::Tensor dst = out.narrow(0, lo, r);
+          if (!pb || !pb->into(dst, a.narrow(0, lo, r))) at::mm_out(dst, a.narrow(0, lo, r), b);
+        }
+        return out;
+      },
+      py::arg("a"), py::arg("b"), py::arg("chunks"), py::arg("packed"),
+      "a @ b as the GEMM ops make it in `chunks` row blocks: each block with ATen's matmul, or from b packed once "
+      "(packed=True); for bench/packed_gemm.py and the tests.");
   m.attr("HALF_GEMM_CALL") = int64_t(mk::kernels::kHalfGemmCall);  // (the tests' model of the in-place rule)
   m.def("small_half_setting", &mk::kernels::small_half_setting,
         "SUPERKERNEL_OPS_SMALL_HALF_GEMM as read, -1 when unset; raises when it is no non-negative integer.");

@@ -53,11 +53,15 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "kernels/group.h"
+#include "kernels/packed_gemm.h"
 #include "kernels/pipeline.h"
 #include "transport/collectives/collectives.h"
 #include "transport/copy.h"
@@ -83,6 +87,13 @@ std::string check_operands(const at::Tensor& a, const at::Tensor& b, const char*
 
 int64_t dim_or(const at::Tensor& t, int64_t d) { return t.dim() == 2 ? t.size(d) : -1; }
 
+// The most rows of any [lo, hi) range.
+int64_t most_rows(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  int64_t most = 0;
+  for (const auto& [lo, hi] : ranges) most = std::max(most, hi - lo);
+  return most;
+}
+
 // How the ops multiply. A half type (bf16, fp16) is multiplied as it is where ATen's GEMM is fast on it
 // (native_half_gemm: accumulated in fp32 inside, rounded once, as the unfused matmul does), else on operands
 // widened to fp32 (b once per call). A product goes into a destination of any float type: gemm_allreduce and
@@ -93,6 +104,7 @@ struct Products {
   at::Tensor b;       // as multiplied: as given (strides too, see allgather_gemm), or widened to fp32
   at::Tensor b_wide;  // a half type made as it is, in small GEMMs (small_half_gemm): b widened, else undefined
   bool widen = false;
+  mutable std::shared_ptr<const PackedB> packed;  // b packed for several fp32 products (pack_for), else null
   // The dtype of a product as made: the input type, or fp32 for a half type widened.
   static at::ScalarType type(const at::Tensor& a, bool exact) {
     const at::ScalarType t = a.scalar_type();
@@ -120,10 +132,20 @@ struct Products {
       return;
     }
     const at::Tensor lhs = widen ? rows.to(at::kFloat) : rows;
+    if (packed && packed->into(dst, lhs)) return;
     if (dst.scalar_type() == b.scalar_type())
       at::mm_out(dst, lhs, b);
     else
       dst.copy_(at::mm(lhs, b));
+  }
+  // Before `gemms` products of at most `rows` rows each (a ring or a chunked pipeline): b packed once for them
+  // where that pays (fp32 products, MKL present; packed_gemm.h). Every rank decides alike from agreed sizes.
+  // (const: the packed copy is a cache of b; called before the products start, never during)
+  void pack_for(int64_t gemms, int64_t rows) const {
+    if (packed || b_wide.defined() || b.scalar_type() != at::kFloat || !b.device().is_cpu() || b.dim() != 2) return;
+    if (!packed_gemm_pays(gemms, rows, b.size(0), b.size(1))) return;
+    auto pb = std::make_shared<const PackedB>(b, rows);
+    if (!pb->empty()) packed = std::move(pb);
   }
   // rows @ b in type(): into `acc` when that is its type, else a new tensor.
   at::Tensor made(const at::Tensor& rows, at::Tensor& acc) const {
@@ -455,6 +477,7 @@ void ring_reducescatter(Pipeline& p, const at::Tensor& a, const Products& prod, 
   at::Tensor scratch = at::empty({mb, n}, opts);
   const at::Tensor* gathered = rounded ? rounded : all;  // what the allgather moves
   auto received = [&](int s) { return s == 1 && as_made ? first_in : incoming.select(0, s - 1); };
+  prod.pack_for(int64_t(R) * C, most_rows(ranges));
   std::vector<Pending> recvs;
   for (int s = 1; s < R; ++s)
     for (int64_t i = 0; i < C; ++i) {
@@ -787,6 +810,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
       if (rg.second > rg.first) ranges.push_back(rg);
     }
     const size_t N = ranges.size();
+    prod->pack_for(int64_t(N) * R, most_rows(ranges));
     std::vector<at::Tensor> parts(N);
     auto issue = [&](size_t i) {
       auto [lo, hi] = ranges[i];
@@ -819,6 +843,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     auto [lo, hi] = chunk_range(m, C, i);
     return std::make_pair(block * m + lo, hi - lo);
   };
+  prod->pack_for(int64_t(R) * C, (m + C - 1) / C);
   // Post every receive up front (distinct buffers: step s brings block (r - s - 1) mod R from prev).
   std::vector<Pending> recvs(size_t(std::max(R - 1, 0) * C));
   for (int s = 0; s + 1 < R; ++s) {
@@ -1009,6 +1034,7 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
     return pair && size_t(rows * n) * c10::elementSize(made_t) >= kPairAllreduceBytes;
   };
   make_term();
+  if (!early) prod->pack_for(int64_t(ranges.size()), most_rows(ranges));
   at::Tensor out = pair || mk_half ? term : half ? at::empty({m, n}, a.options()) : acc;
   std::vector<at::Tensor> gathered(ranges.size());  // sum_here: every rank's rows of chunk i, [R, rows, n]
   p.overlap(
@@ -1210,6 +1236,7 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   std::vector<at::Tensor> stage(ranges.size()), got(ranges.size());
   // half types summed here, or by mk's collective (stage_t half): the rounded sums land here
   at::Tensor out = half && (sum_here || stage_t != acc_t) ? at::empty({mb, n}, a.options()) : acc_out;
+  if (!early) prod->pack_for(int64_t(ranges.size()) * R, most_rows(ranges));
   p.overlap(
       int64_t(ranges.size()),
       [&](int64_t i) {

@@ -1,0 +1,47 @@
+// One fp32 right-hand matrix b, packed once for several products rows @ b (MKL's packed sgemm).
+//
+// ATen's fp32 matmul on x86 calls MKL's sgemm, which packs b into its blocked layout on every call. The ops
+// split one product into row chunks (pipelined behind their transfers), and each chunk's GEMM packed all of
+// b again: on the 2-core VM, 1024x1536x2048 fp32 made as eight 128-row GEMMs took 55 ms against 40 ms as one
+// (bench/packed_gemm.py). PackedB packs b once per op call and multiplies each chunk from the packed copy.
+//
+// MKL's packed routines are found at run time in the libtorch this process loaded (torch's x86 wheels carry
+// MKL and export its CBLAS symbols); where they are absent (another BLAS, another architecture), or with
+// SUPERKERNEL_OPS_PACKED_B=0, nothing is packed and the ops multiply with ATen as before.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace mk::kernels {
+
+// Whether this process can pack (MKL's packed sgemm found) and SUPERKERNEL_OPS_PACKED_B does not say 0 (read
+// on every call, so a benchmark can compare both in one process).
+bool packed_gemm_available();
+
+// Whether `gemms` products of at most `rows` rows each against b [k, n] are worth packing b for: at least
+// kPackedMinGemms GEMMs and b of at least kPackedMinElements elements (SUPERKERNEL_OPS_PACKED_B=all: any two
+// or more). Measured on the 2-core VM, one thread (bench/packed_gemm.py, 2026-11-30): in 8 row blocks,
+// 1024x1536x2048 1.25x, 1024x768x2048 1.36x, 512x1024x1024 1.10x faster packed; in 2 blocks 0.99-1.02x; b of
+// 128x1024 0.97-1.03x, 256x256 0.84-0.88x (MKL's own per-call work on a small b costs less than a packed call).
+bool packed_gemm_pays(int64_t gemms, int64_t rows, int64_t k, int64_t n);
+constexpr int64_t kPackedMinGemms = 3;
+constexpr int64_t kPackedMinElements = int64_t(1) << 18;
+
+class PackedB {
+ public:
+  // Packs b (fp32, on the CPU, 2-D with a unit stride in either dimension); empty() when it cannot (then
+  // into() always declines). `rows`: the most rows one product will have (what MKL sizes the packing for).
+  PackedB(const at::Tensor& b, int64_t rows);
+  bool empty() const { return !buf_.defined(); }
+  // dst = rows @ b from the packed b: dst fp32 [r, n] and rows fp32 [r, k], each with unit stride along its
+  // rows. false (dst untouched) where that does not hold: the caller multiplies with ATen.
+  bool into(const at::Tensor& dst, const at::Tensor& rows) const;
+
+ private:
+  at::Tensor buf_;  // MKL's packed copy of b (bytes); it must not move once packed
+  int64_t k_ = 0, n_ = 0;
+};
+
+}  // namespace mk::kernels
