@@ -52,8 +52,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -843,7 +843,9 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     auto [lo, hi] = chunk_range(m, C, i);
     return std::make_pair(block * m + lo, hi - lo);
   };
-  prod->pack_for(int64_t(R) * C, (m + C - 1) / C);
+  int64_t most = 0;
+  for (int64_t i = 0; i < C; ++i) most = std::max(most, part(0, i).second);
+  prod->pack_for(int64_t(R) * C, most);
   // Post every receive up front (distinct buffers: step s brings block (r - s - 1) mod R from prev).
   std::vector<Pending> recvs(size_t(std::max(R - 1, 0) * C));
   for (int s = 0; s + 1 < R; ++s) {

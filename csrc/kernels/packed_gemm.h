@@ -7,7 +7,9 @@
 //
 // MKL's packed routines are found at run time in the libtorch this process loaded (torch's x86 wheels carry
 // MKL and export its CBLAS symbols); where they are absent (another BLAS, another architecture), or with
-// SUPERKERNEL_OPS_PACKED_B=0, nothing is packed and the ops multiply with ATen as before.
+// SUPERKERNEL_OPS_PACKED_B=0, nothing is packed and the ops multiply with ATen as before. A packed product may
+// differ from ATen's in the last bit, so every rank of a group must set the variable alike (allgather_gemm's
+// output is the same bytes on every rank only when every rank makes each block the same way).
 #pragma once
 
 #include <ATen/core/Tensor.h>
