@@ -98,16 +98,15 @@ case "$cmd" in
     [ $rc -eq 0 ] || exit $rc
     if [ $# -eq 0 ]; then
       # The whole suite also re-runs the transport's failure paths, the 2-rank collectives, windows, the tensor
-      # store (its allocator, its Store worker), fused ops, their agreement board and the window copies against
-      # an ASan+UBSan build
-      # (the full sanitizer run is `bash run.sh sanitize`).
+      # store (its allocator, its Store worker), fused ops, their agreement board, the packed GEMM and the window
+      # copies against an ASan+UBSan build (the full sanitizer run is `bash run.sh sanitize`).
       log "sanitizer pass: transport tests against an ASan+UBSan build"
       set +e
       (sanitize_env && python -m pytest -q tests/transport/test_failures.py tests/transport/test_collectives.py \
           tests/memory/test_window.py tests/memory/test_tensor_store.py tests/memory/test_store_worker.py \
           tests/ops/test_gemm_ops.py tests/ops/test_moe.py tests/ops/test_ring_attention.py tests/transport/test_copy.py \
-          tests/ops/test_agreement_board.py \
-          -k "failures or 2ranks or copies_exactly or lock_holder or store_worker or small_staging or board")
+          tests/ops/test_agreement_board.py tests/ops/test_packed_gemm.py \
+          -k "failures or 2ranks or copies_exactly or lock_holder or store_worker or small_staging or board or packed")
       rc=$?
       set -e
       if [ $rc -eq 5 ]; then log "sanitizer pass collected no tests: failing"; exit 1; fi

@@ -25,10 +25,6 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMa
 
 bool fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
-}  // namespace
-
-namespace {
-
 // SUPERKERNEL_OPS_PACKED_B: "0" never packs, "all" packs for any two or more products (the tests' way onto
 // this path at small shapes), else (unset, "1") where packed_gemm_pays says so.
 enum class PackSetting { off, pays, all };
