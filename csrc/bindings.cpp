@@ -524,6 +524,8 @@ PYBIND11_MODULE(_C, m) {
       "Whether the GEMM ops make a [rows, k] x [k, n] product of a half type they multiply as it is on operands "
       "widened to fp32, rounded to the half type (a GEMM too small for oneDNN's fixed cost; kernels/pipeline.h), "
       "with this process's small_half_limit or `limit` (another process's, as a model of its products).");
+  m.def("packed_gemm_present", &mk::kernels::packed_gemm_present,
+        "Whether MKL's packed sgemm was found in this process's libtorch (kernels/packed_gemm.h).");
   m.def("packed_gemm_available", &mk::kernels::packed_gemm_available,
         "Whether the GEMM ops can pack an fp32 b once for their chunks' products (MKL's packed sgemm found in "
         "this process) and SUPERKERNEL_OPS_PACKED_B does not say 0 (kernels/packed_gemm.h).");

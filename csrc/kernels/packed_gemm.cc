@@ -37,14 +37,17 @@ PackSetting pack_setting() {
 
 }  // namespace
 
-bool packed_gemm_available() {
-  if (!cblas_sgemm_pack_get_size || !cblas_sgemm_pack || !cblas_sgemm_compute) return false;
-  return pack_setting() != PackSetting::off;
-}
+bool packed_gemm_present() { return cblas_sgemm_pack_get_size && cblas_sgemm_pack && cblas_sgemm_compute; }
+
+bool packed_gemm_available() { return packed_gemm_present() && pack_setting() != PackSetting::off; }
 
 bool packed_gemm_pays(int64_t gemms, int64_t rows, int64_t k, int64_t n) {
-  if (!packed_gemm_available() || rows <= 0 || gemms < 2) return false;
-  if (pack_setting() == PackSetting::all) return true;
+  if (!packed_gemm_present() || rows <= 0 || gemms < 2) return false;
+  switch (pack_setting()) {
+    case PackSetting::off: return false;
+    case PackSetting::all: return true;
+    case PackSetting::pays: break;
+  }
   return gemms >= kPackedMinGemms && k * n >= kPackedMinElements;
 }
 

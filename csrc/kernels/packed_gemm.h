@@ -18,6 +18,9 @@
 
 namespace mk::kernels {
 
+// Whether MKL's packed sgemm was found in this process (whatever SUPERKERNEL_OPS_PACKED_B says).
+bool packed_gemm_present();
+
 // Whether this process can pack (MKL's packed sgemm found) and SUPERKERNEL_OPS_PACKED_B does not say 0 (read
 // on every call, so a benchmark can compare both in one process).
 bool packed_gemm_available();

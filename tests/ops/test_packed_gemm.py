@@ -10,8 +10,14 @@ import torch
 from superkernel import _C
 from tests.ops.ops_world import RING_ON_SMALL_SHAPES, WorldCache, failures_of
 
-needs_mkl = pytest.mark.skipif(not _C.packed_gemm_available(),
+# (missing library, not a disabled feature: SUPERKERNEL_OPS_PACKED_B is cleared for each test below)
+needs_mkl = pytest.mark.skipif(not _C.packed_gemm_present(),
                                reason="MKL's packed sgemm is not in this process's libtorch (nothing is packed)")
+
+
+@pytest.fixture(autouse=True)
+def _default_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SUPERKERNEL_OPS_PACKED_B", raising=False)
 
 
 @needs_mkl
@@ -39,8 +45,9 @@ def test_transposed_operands() -> None:
 
 @needs_mkl
 def test_variable_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _C.packed_gemm_available()
     monkeypatch.setenv("SUPERKERNEL_OPS_PACKED_B", "0")
-    assert not _C.packed_gemm_available()
+    assert not _C.packed_gemm_available() and _C.packed_gemm_present()
     with pytest.raises(RuntimeError, match="could not be packed"):
         _C.chunked_mm(torch.randn(8, 8), torch.randn(8, 8), 2, True)
     monkeypatch.setenv("SUPERKERNEL_OPS_PACKED_B", "all")
