@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <numeric>
+#include <optional>
 
 #include "transport/bootstrap.h"
 #include "transport/host.h"
@@ -160,17 +161,22 @@ void ProcessGroupMK::worker_loop() {
   while (true) {
     cv_.wait(lock, [&] { return (!queue_.empty() && !running_) || (stop_ && queue_.empty() && !running_); });
     if (queue_.empty()) return;
-    Queued task = std::move(queue_.front());
+    std::optional<Queued> task(std::move(queue_.front()));
     queue_.pop_front();
     running_ = true;
     lock.unlock();
-    const std::exception_ptr err = run(task.fn, task.title);
+    const std::exception_ptr err = run(task->fn, task->title);
     lock.lock();
     running_ = false;
     // idle before the waiter hears of the end: a collective its caller issues next may run on the caller
     // (enqueue), instead of queueing behind a task that is over
     lock.unlock();
-    task.work->complete(err);
+    task->work->complete(err);
+    // The task's tensors (its closure's, its Work's) are released here, without mu_: dropping the last
+    // reference to a tensor that Python made may take the GIL (c10's decref_pyobject), and a Python thread
+    // that holds the GIL may be waiting for mu_ (runs(), enqueue). Released under mu_, a rank hung in
+    // tests/ops/test_caller_runs.py: the worker waited for the GIL, the main thread for mu_ in runs().
+    task.reset();
     lock.lock();
   }
 }
