@@ -12,7 +12,9 @@ max(compute, comm) is what perfect overlap would reach on a machine where commun
 "both at once" is what overlapping two independent pieces of work reaches on this one (on a small VM the
 communication's CPU work, the kernel's network stack included, slows the computation), so it bounds what
 any pipelining can do. Columns: op, shape, fused ms, unfused ms, speedup (unfused / fused), ideal ms,
-fused/ideal, both ms, fused/both. Each case is measured in two passes. The first times the fused op
+fused/ideal, both ms, fused/both; with --machine-cpu (netns.py sets it) also cpu bound ms = max(ideal,
+(compute's + comm's busy CPU time of the whole machine) / its cores), what no overlap beats where the two
+share the cores (netns "hosts" share this machine's), and fused/cpu bound. Each case is measured in two passes. The first times the fused op
 against the unfused composition, each in two slots of every round (fused, fused again, unfused, unfused
 again): a call runs faster when its code is warm in the caches, and a pass where four of six variants ran
 the unfused code (unfused, its A/A copy, the compute and the communication alone) left the fused op's code
@@ -254,6 +256,7 @@ def _machine_busy() -> float:
 
 
 _TICKS = float(os.sysconf("SC_CLK_TCK"))
+MACHINE_CPUS = os.cpu_count() or 1  # the cores /proc/stat's first line counts (the machine's, whatever the affinity)
 
 
 def _minor_faults() -> int:
@@ -264,6 +267,7 @@ def _minor_faults() -> int:
 
 # ------------------------------------------------------------------------------------------------ report
 COLUMNS = ("op", "shape", "fused ms", "unfused ms", "speedup", "ideal ms", "fused/ideal", "both ms", "fused/both")
+CPU_BOUND_COLUMNS = ("cpu bound ms", "fused/cpu bound")  # with --machine-cpu
 
 
 def format_table(doc: dict[str, Any]) -> str:
@@ -272,13 +276,19 @@ def format_table(doc: dict[str, Any]) -> str:
              f"{meta['hosts_desc']}; {meta['date']}; median per call of the max over ranks",
              f"# compute alone / comm alone give ideal = max(compute, comm); both = the two at once, independent "
              f"(comm on a helper thread): what overlap reaches on this machine"]
+    if any("cpu_bound_ms" in r for r in doc["results"]):
+        lines.append(f"# cpu bound = max(ideal, (compute CPU + comm CPU) / {meta.get('machine_cpus', '?')} cores): the "
+                     f"machine's busy CPU time of each alone, spread over every core; no overlap beats it here")
+    cpu_bound = bool(doc["results"]) and all("cpu_bound_ms" in r for r in doc["results"])
     rows = [[r["op"], r["shape"], f"{r['fused_ms']:.3f}", f"{r['unfused_ms']:.3f}",
              f"{r['unfused_ms'] / r['fused_ms']:.2f}x", f"{r['ideal_ms']:.3f}",
              f"{r['fused_ms'] / r['ideal_ms']:.2f}", f"{r['both_ms']:.3f}", f"{r['fused_ms'] / r['both_ms']:.2f}"]
+            + ([f"{r['cpu_bound_ms']:.3f}", f"{r['fused_ms'] / r['cpu_bound_ms']:.2f}"] if cpu_bound else [])
             for r in doc["results"]]
-    widths = [max(len(COLUMNS[i]), *(len(row[i]) for row in rows)) if rows else len(COLUMNS[i])
-              for i in range(len(COLUMNS))]
-    lines.append(" | ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
+    columns = COLUMNS + (CPU_BOUND_COLUMNS if cpu_bound else ())
+    widths = [max(len(columns[i]), *(len(row[i]) for row in rows)) if rows else len(columns[i])
+              for i in range(len(columns))]
+    lines.append(" | ".join(c.rjust(w) for c, w in zip(columns, widths)))
     lines.append("-+-".join("-" * w for w in widths))
     for row, r in zip(rows, doc["results"]):
         faults = (f"; page faults per call fused {r['fused_faults']:.0f}, unfused {r['unfused_faults']:.0f}"
@@ -327,6 +337,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.bar([x - 0.5 * w for x in xs], [r["unfused_ms"] for r in res], w, label="unfused")
     ax.bar([x + 0.5 * w for x in xs], [r["ideal_ms"] for r in res], w, label="ideal = max(compute, comm)")
     ax.bar([x + 1.5 * w for x in xs], [r["both_ms"] for r in res], w, label="compute and comm at once")
+    if all("cpu_bound_ms" in r for r in res):
+        ax.scatter([x + 0.5 * w for x in xs], [r["cpu_bound_ms"] for r in res], marker="_", s=300, color="black",
+                   zorder=3, label="cpu bound: (compute + comm CPU) / cores")
     ax.set_xticks(list(xs), [f"{r['op']}\n{r['shape']}" for r in res], fontsize=7, rotation=20, ha="right")
     ax.set_ylabel("ms per call")
     meta = doc["meta"]
@@ -423,6 +436,12 @@ def main() -> int:
             # (the pair pass's rounds, in the same order for every variant: fused[i] and unfused[i] shared round i)
             row["speedup_ci95"] = list(paired_ratio_interval(samples["unfused"], samples["fused"]))
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
+            if args.machine_cpu:
+                # what no overlap can beat on cores that the two share: the computation's and the
+                # communication's CPU work spread over every core of the machine (the "hosts" of netns.py share
+                # one), or ideal where that is larger
+                row["cpu_bound_ms"] = max(row["ideal_ms"],
+                                          (row["compute_cpu"] + row["comm_cpu"]) * 1e3 / MACHINE_CPUS)
             row["fused_ideal_by_block"] = per_block
             results.append(row)
             if launch.rank == 0:
@@ -434,7 +453,7 @@ def main() -> int:
     doc = {"meta": {"world_size": launch.world_size, "backend": args.backend, "dtype": args.dtype,
                     "chunks": args.chunks, "blocks": args.blocks, "settle_ms": args.settle_ms,
                     "hosts_desc": hosts_desc, "cpus_by_rank": cpus_by_rank,
-                    "launcher": launch.launcher,
+                    "launcher": launch.launcher, "machine_cpus": MACHINE_CPUS,
                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "host": sorted(hosts), "load": os.getloadavg(), "families": families,
                     "torch": torch.__version__, "time_per_measurement_s": args.time,

@@ -28,6 +28,7 @@ def run_bench(tmp: Path, tag: str, families: str, shapes: str, blocks: int, extr
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "unwaited collective" not in proc.stderr, proc.stderr[-3000:]
     assert "A/A =" in proc.stdout, proc.stdout[-3000:]
+    assert "fused/cpu bound" in proc.stdout and "# cpu bound = max(ideal, " in proc.stdout, proc.stdout[-3000:]
     assert "speedup 95% CI" in proc.stdout and "slower than unfused beyond noise (CI below 1): " in proc.stdout, \
         proc.stdout[-3000:]
     assert (tmp / f"fused-{tag}.png").stat().st_size > 0
@@ -60,6 +61,9 @@ def test_every_family_runs(tmp_path: Path, families: str, shapes: str, ops: set[
         # every block times each pass for --min-iters rounds (2 here), and the rows pool them
         assert r["iters"] == 2 * blocks and r["iters_bounds"] == 2 * blocks, r
         assert r["ideal_ms"] == max(r["compute_ms"], r["comm_ms"])
+        cpus = doc["meta"]["machine_cpus"]
+        assert cpus == os.cpu_count(), doc["meta"]
+        assert r["cpu_bound_ms"] == max(r["ideal_ms"], (r["compute_cpu"] + r["comm_cpu"]) * 1e3 / cpus), r
         assert len(r["fused_ideal_by_block"]) == blocks and all(v > 0 for v in r["fused_ideal_by_block"]), r
         lo, hi = r["speedup_ci95"]  # (over the pair pass's rounds: 2 per block here)
         assert 0 < lo <= hi, r
