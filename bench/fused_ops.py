@@ -278,7 +278,8 @@ def format_table(doc: dict[str, Any]) -> str:
              f"(comm on a helper thread): what overlap reaches on this machine"]
     if any("cpu_bound_ms" in r for r in doc["results"]):
         lines.append(f"# cpu bound = max(ideal, (compute CPU + comm CPU) / {meta.get('machine_cpus', '?')} cores): the "
-                     f"machine's busy CPU time of each alone, spread over every core; no overlap beats it here")
+                     f"machine's busy CPU time of each alone, spread over every core: no overlap of those two beats "
+                     f"it here (a fused op whose own transfers cost less CPU than the collective can)")
     cpu_bound = bool(doc["results"]) and all("cpu_bound_ms" in r for r in doc["results"])
     rows = [[r["op"], r["shape"], f"{r['fused_ms']:.3f}", f"{r['unfused_ms']:.3f}",
              f"{r['unfused_ms'] / r['fused_ms']:.2f}x", f"{r['ideal_ms']:.3f}",
@@ -437,9 +438,10 @@ def main() -> int:
             row["speedup_ci95"] = list(paired_ratio_interval(samples["unfused"], samples["fused"]))
             row["ideal_ms"] = max(row["compute_ms"], row["comm_ms"])
             if args.machine_cpu:
-                # what no overlap can beat on cores that the two share: the computation's and the
+                # what no overlap of the two can beat on cores that they share: the computation's and the
                 # communication's CPU work spread over every core of the machine (the "hosts" of netns.py share
-                # one), or ideal where that is larger
+                # one), or ideal where that is larger (a fused op whose transfers cost less CPU than the
+                # collective does, a ring of sends for mk's reduce-scatter, can be below it)
                 row["cpu_bound_ms"] = max(row["ideal_ms"],
                                           (row["compute_cpu"] + row["comm_cpu"]) * 1e3 / MACHINE_CPUS)
             row["fused_ideal_by_block"] = per_block

@@ -945,12 +945,20 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
   const bool slots_fit = err.empty() && !may_ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
-  // One chunk planned, no ring (or the plain path proposed): the whole product a_r @ b_r does not depend on
-  // the agreed chunk count, so it is computed while the agreement travels (if rank 0 asked for more chunks,
-  // they are reduced from it; if it chose the ring, that computes its own).
+  // Whether this rank expects the in-place path, from its own arguments (the agreed k, chunk count and product
+  // type decide it after the agreement; a rank that expected otherwise has made the product for nothing, or
+  // makes it after the agreement).
+  const bool expect_in_place =
+      slots_fit && in_place_pays(m, in_place_rows(p, m, size_t(n) * c10::elementSize(mk_half ? made_t : acc_t), 1,
+                                                  std::max<int64_t>(ga.proposal(), 1)),
+                                 1, ga.proposal(), k, n, double(m) * n, made_half);
+  // One chunk planned, no ring (or the plain path proposed), not in place: the whole product a_r @ b_r does not
+  // depend on the agreed chunk count, so it is computed while the agreement travels (if rank 0 asked for more
+  // chunks, they are reduced from it; if it chose the ring, that computes its own). Rows that fit a slot but
+  // would not go in place were made after the agreement until 2026-12-01 (see bench/README.md).
   // (a product computed to be carried is that product, whatever the path)
   const bool early = offer || (err.empty() && m > 0 && n > 0 &&
-                               (may_ring ? ga.proposal() == kPlainPath : !slots_fit && ga.proposal() == 1));
+                               (may_ring ? ga.proposal() == kPlainPath : !expect_in_place && ga.proposal() == 1));
   if (early && !offer) {
     prepare();
     make_term();
@@ -1159,11 +1167,18 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
   const bool slots_fit = err.empty() && !may_ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
-  // One chunk planned, no ring (or the plain path proposed): every rank's block of partial sums (the whole
-  // a_r @ b_r, [R, mb, n]) is computed while the agreement travels.
+  // Whether this rank expects the in-place path, from its own arguments (as gemm_allreduce's)
+  const size_t own_chunk = slots_fit ? in_place_rows(p, mb, size_t(n) * c10::elementSize(stage_t), size_t(R),
+                                                     std::max<int64_t>(ga.proposal(), 1))
+                                     : 0;
+  const bool expect_in_place = slots_fit && in_place_pays(mb, own_chunk, int64_t(own_chunk) == mb ? 1 : R,
+                                                          ga.proposal(), k, n, double(m) * n, made_half);
+  // One chunk planned, no ring (or the plain path proposed), not in place: every rank's block of partial sums
+  // (the whole a_r @ b_r, [R, mb, n]) is computed while the agreement travels. (Rows that fit a slot but would
+  // not go in place were made after the agreement, one GEMM per block, until 2026-12-01: see bench/README.md.)
   // (a product computed to be carried is that product, whatever the path)
   const bool early = offer || (err.empty() && R > 1 && mb > 0 && n > 0 &&
-                               (may_ring ? ga.proposal() == kPlainPath : !slots_fit && ga.proposal() == 1));
+                               (may_ring ? ga.proposal() == kPlainPath : !expect_in_place && ga.proposal() == 1));
   if (early && !offer) {
     prepare();
     full = at::empty({R, mb, n}, a.options().dtype(stage_t));
@@ -1249,8 +1264,10 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
           return;
         }
         stage[size_t(i)] = at::empty({R, rows, n}, a.options().dtype(stage_t));
-        for (int j = 0; j < R; ++j) {
-          prod->into(stage[size_t(i)].select(0, j), a.narrow(0, j * mb + lo, rows));
+        if (rows == mb) {  // every row of every block: [R, mb, n] is the whole product, one GEMM
+          prod->into(stage[size_t(i)].view({m, n}), a);
+        } else {
+          for (int j = 0; j < R; ++j) prod->into(stage[size_t(i)].select(0, j), a.narrow(0, j * mb + lo, rows));
         }
         p.publish(stage[size_t(i)]);
       },
