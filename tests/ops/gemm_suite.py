@@ -27,11 +27,32 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-import superkernel  # noqa: F401  (registers "mk" and torch.ops.mk.*)
-import superkernel.ops as mk
-from superkernel import _C
-from superkernel.ops.autograd import product
-from rank_tensors import DTYPES, digest, mismatch, path_rules_changed, rank_tensor
+
+def set_rank_variables(argv: list[str]) -> None:
+    """--widen-half-on R,... and --small-half-gemm-on R:N,...: this rank's SUPERKERNEL_OPS_WIDEN_HALF and
+    SUPERKERNEL_OPS_SMALL_HALF_GEMM, set before superkernel is imported, which reads both (once) at import: set
+    later, in main(), until 2026-12-01, they changed nothing, and the tests of ranks that differ in them ran
+    ranks that did not."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--widen-half-on", default="")
+    pre.add_argument("--small-half-gemm-on", default="")
+    known, _ = pre.parse_known_args(argv)
+    me = int(os.environ["RANK"])
+    if known.widen_half_on and me in {int(r) for r in known.widen_half_on.split(",")}:
+        os.environ["SUPERKERNEL_OPS_WIDEN_HALF"] = "1"
+    for item in filter(None, known.small_half_gemm_on.split(",")):
+        on, limit = item.split(":")
+        if int(on) == me:
+            os.environ["SUPERKERNEL_OPS_SMALL_HALF_GEMM"] = limit
+
+
+set_rank_variables(sys.argv[1:])
+
+import superkernel  # noqa: E402,F401  (registers "mk" and torch.ops.mk.*)
+import superkernel.ops as mk  # noqa: E402
+from superkernel import _C  # noqa: E402
+from superkernel.ops.autograd import product  # noqa: E402
+from rank_tensors import DTYPES, digest, mismatch, path_rules_changed, rank_tensor  # noqa: E402
 
 failures: dict[str, list[str]] = defaultdict(list)
 digests: dict[str, int] = {}
@@ -529,13 +550,7 @@ def main() -> None:
     ap.add_argument("--widen-half-on", default="", help="comma-separated ranks that widen half types")
     ap.add_argument("--small-half-gemm-on", default="",
                     help="R:N,... sets SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R")
-    args = ap.parse_args()
-    if args.widen_half_on and int(os.environ["RANK"]) in {int(r) for r in args.widen_half_on.split(",")}:
-        os.environ["SUPERKERNEL_OPS_WIDEN_HALF"] = "1"
-    for item in filter(None, args.small_half_gemm_on.split(",")):
-        on, limit = item.split(":")
-        if int(on) == int(os.environ["RANK"]):
-            os.environ["SUPERKERNEL_OPS_SMALL_HALF_GEMM"] = limit
+    args = ap.parse_args()  # (--widen-half-on and --small-half-gemm-on took effect before the imports)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {t: _C.small_half_limit(str(t).split(".")[1]) for t in (torch.bfloat16, torch.float16)}
@@ -562,7 +577,12 @@ def main() -> None:
     timings["total"] = time.perf_counter() - t0
     dist.barrier()
     report = {"rank": rank, "world": world, "failures": failures, "digests": digests, "timings": timings,
-              "exact_half_sums": exact_half_sums, "exact_half_types": sorted(str(t) for t in exact_half_types)}
+              "exact_half_sums": exact_half_sums, "exact_half_types": sorted(str(t) for t in exact_half_types),
+              # what this rank's process decided (the tests check that --widen-half-on and --small-half-gemm-on
+              # reached it)
+              "half_native": {str(t): _C.half_gemm_native(str(t).split(".")[1]) for t in (torch.bfloat16,
+                                                                                         torch.float16)},
+              "small_limits": {str(t): v for t, v in small_limits[rank].items()}}
     sys.stdout.write("REPORT " + json.dumps(report) + "\n")
     sys.stdout.flush()
     dist.destroy_process_group()

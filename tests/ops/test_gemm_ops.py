@@ -159,6 +159,10 @@ def test_ranks_that_multiply_half_types_differently(world: int, transport: str) 
     shm and Gloo's own-summing paths: each is chosen from every rank's product type), and the results are the
     same bytes on every rank (allgather_gemm widens on every rank then)."""
     reps = _mixed.reports(world, transport, ["--widen-half-on", "1"])
+    onednn = {"torch.bfloat16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+              "torch.float16": torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+    for rep in reps:  # (the variable reached rank 1's process, and only it)
+        assert rep["half_native"] == ({t: False for t in onednn} if rep["rank"] == 1 else onednn), rep["half_native"]
     for family in OPS:
         problems = failures_of(reps, family)
         assert not problems, "\n".join(problems[:20])
@@ -172,13 +176,23 @@ def test_ranks_that_multiply_half_types_differently(world: int, transport: str) 
 @pytest.mark.skipif(not (torch.ops.mkldnn._is_mkldnn_bf16_supported()
                          or torch.ops.mkldnn._is_mkldnn_fp16_supported()),
                     reason="this processor widens bfloat16 and float16 anyway: no small-GEMM limit applies")
-@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "gloo")], ids=["2ranks-shm", "3ranks-gloo"])
-def test_ranks_with_different_small_gemm_limits(world: int, transport: str) -> None:
+@pytest.mark.parametrize("world,transport,limits", [(2, "shm", f"0:{1 << 23},1:0"), (3, "gloo", f"0:{1 << 23},1:0"),
+                                                     (3, "gloo", "0:0,1:1,2:1")],
+                         ids=["2ranks-shm", "3ranks-gloo", "3ranks-gloo-native"])
+def test_ranks_with_different_small_gemm_limits(world: int, transport: str, limits: str) -> None:
     """Ranks that measured different small-GEMM limits (here set: rank 0 at 2^23, rank 1 at 0): each makes its
     own partial products by its own limit, and the half-type sums are still exact against every rank's products
     as that rank makes them; allgather_gemm multiplies every block by rank 0's limit on every rank, so its
-    results are the same bytes everywhere (the suite's k = 2048 cases make the two forms differ)."""
-    reps = _limits.reports(world, transport, ["--small-half-gemm-on", f"0:{1 << 23},1:0"])
+    results are the same bytes everywhere (the suite's k = 2048 cases make the two forms differ).
+    "native": every limit makes every product as it is, but ranks 1 and 2 hold another value than rank 0's, so on
+    Gloo they cannot use their own rows' early product; they still multiply block by block as rank 0 does (as one
+    GEMM they returned other bytes on an Intel VM with AMX, whose bf16 GEMM rounds by the rows it is given)."""
+    reps = _limits.reports(world, transport, ["--small-half-gemm-on", limits])
+    set_on = {int(r): int(v) for r, v in (item.split(":") for item in limits.split(","))}
+    for rep in reps:  # (each rank given one holds its limit, for a type it multiplies as it is; others measure)
+        for t, native in rep["half_native"].items():
+            if rep["rank"] in set_on:
+                assert rep["small_limits"][t] == (set_on[rep["rank"]] if native else 0), (rep["rank"], t, rep)
     for family in OPS:
         problems = failures_of(reps, family)
         assert not problems, "\n".join(problems[:20])
