@@ -733,15 +733,20 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
     return gathered;
   };
   if (return_gathered) gathered_buffer();
-  // c from the whole `gathered`: one GEMM over all rows, or, when this rank's rows were multiplied early, one
-  // per other rank's block
+  // c from the whole `gathered`: one GEMM over all rows, or one per rank's block where any rank may have multiplied
+  // its own rows early (this rank's skipped when it did). Which of the two is decided from agreed values only:
+  // whether a rank multiplied early depends on its own proposal and its own measured small-GEMM limit, and a
+  // GEMM's rounding can depend on the rows it is given (on an Intel VM with AMX, bf16 [144, 2048] x [2048, 64]
+  // as one GEMM and as three of 48 rows differed in 23 elements over 20 inputs), so a rank that made one GEMM
+  // while the others made one per block returned other bytes (Gloo, 3 ranks, bench/README.md).
+  const bool per_block = !g.is_mk() && a_in.device().is_cpu() && (C == 1 || ga.carried()) && !mixed;
   auto multiply_gathered = [&] {
-    if (!own_done) {
+    if (!per_block) {
       prod->into(c, gathered);
       return;
     }
     for (int j = 0; j < R; ++j) {
-      if (j == r) continue;
+      if (j == r && own_done) continue;
       at::Tensor dst = c.narrow(0, j * m, m);
       prod->into(dst, gathered.narrow(0, j * m, m));
     }
