@@ -14,21 +14,21 @@ communication's CPU work, the kernel's network stack included, slows the computa
 any pipelining can do. Columns: op, shape, fused ms, unfused ms, speedup (unfused / fused), ideal ms,
 fused/ideal, both ms, fused/both; with --machine-cpu (netns.py sets it) also cpu bound ms = max(ideal,
 (compute's + comm's busy CPU time of the whole machine) / its cores), what no overlap beats where the two
-share the cores (netns "hosts" share this machine's), and fused/cpu bound. Each case is measured in two passes. The first times the fused op
-against the unfused composition, each in two slots of every round (fused, fused again, unfused, unfused
-again): a call runs faster when its code is warm in the caches, and a pass where four of six variants ran
-the unfused code (unfused, its A/A copy, the compute and the communication alone) left the fused op's code
-the coldest; at 256^3 that alone moved the speedup from 1.03-1.07x to 0.97x (bench/README.md). The second
-pass times the computation alone, the communication alone and both at once. Within a pass the variants are
-interleaved, one call each per round, in a new random order every round; with --blocks N the two passes
-alternate in N blocks (the detail then gives fused/ideal per block: how far the machine drifted); each call
-starts after a barrier; a call's time is the maximum over ranks (the slowest rank decides) and the table
-shows the median over the rounds. The detail gives A/A for both: unfused / unfused again and fused / fused
-again (the noise a speedup must exceed), and the speedup's 95% interval (a paired bootstrap over the first
-pass's rounds, bench/speedup_interval.py); a closing line names the rows whose interval lies below 1, slower
-than unfused beyond the run's noise. Each row's detail also gives the median minor page faults per
-call of the fused and unfused variants (the maximum over ranks; whole process). Results go to
-bench/results/fused-<tag>.json and .png.
+share the cores (netns "hosts" share this machine's), and fused/cpu bound. Each case is measured in two
+passes. The first times the fused op against the unfused composition, each in two slots of every round
+(fused, fused again, unfused, unfused again): a call runs faster when its code is warm in the caches, and a
+pass where four of six variants ran the unfused code (unfused, its A/A copy, the compute and the
+communication alone) left the fused op's code the coldest; at 256^3 that alone moved the speedup from
+1.03-1.07x to 0.97x (bench/README.md). The second pass times the computation alone, the communication alone
+and both at once. Within a pass the variants are interleaved, one call each per round, in a new random order
+every round; with --blocks N the two passes alternate in N blocks (the detail then gives fused/ideal per
+block: how far the machine drifted); each call starts after a barrier; a call's time is the maximum over
+ranks (the slowest rank decides) and the table shows the median over the rounds. The detail gives A/A for
+both: unfused / unfused again and fused / fused again (the noise a speedup must exceed), and the speedup's
+95% interval (a paired bootstrap over the first pass's rounds, bench/speedup_interval.py); a closing line
+names the rows whose interval lies below 1, slower than unfused beyond the run's noise. Each row's detail
+also gives the median minor page faults per call of the fused and unfused variants (the maximum over ranks;
+whole process). Results go to bench/results/fused-<tag>.json and .png.
 
 Cases come from a registry (bench/fused_registry.py): every module bench/fused_cases_*.py registers
 factories with ``@register`` (see bench/fused_cases_gemm.py); a factory receives the Context and returns Case
@@ -276,11 +276,11 @@ def format_table(doc: dict[str, Any]) -> str:
              f"{meta['hosts_desc']}; {meta['date']}; median per call of the max over ranks",
              f"# compute alone / comm alone give ideal = max(compute, comm); both = the two at once, independent "
              f"(comm on a helper thread): what overlap reaches on this machine"]
-    if any("cpu_bound_ms" in r for r in doc["results"]):
+    cpu_bound = bool(doc["results"]) and all("cpu_bound_ms" in r for r in doc["results"])
+    if cpu_bound:
         lines.append(f"# cpu bound = max(ideal, (compute CPU + comm CPU) / {meta.get('machine_cpus', '?')} cores): the "
                      f"machine's busy CPU time of each alone, spread over every core: no overlap of those two beats "
                      f"it here (a fused op whose own transfers cost less CPU than the collective can)")
-    cpu_bound = bool(doc["results"]) and all("cpu_bound_ms" in r for r in doc["results"])
     rows = [[r["op"], r["shape"], f"{r['fused_ms']:.3f}", f"{r['unfused_ms']:.3f}",
              f"{r['unfused_ms'] / r['fused_ms']:.2f}x", f"{r['ideal_ms']:.3f}",
              f"{r['fused_ms'] / r['ideal_ms']:.2f}", f"{r['both_ms']:.3f}", f"{r['fused_ms'] / r['both_ms']:.2f}"]

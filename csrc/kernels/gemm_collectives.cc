@@ -950,13 +950,18 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   // chunk, and the sum lands in acc.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
   const bool slots_fit = err.empty() && !may_ring && in_place_rows(p, m, row_bytes, 1, 1) > 0;
+  // The in-place path's rows per chunk for a chunk count, the largest k, whether the terms travel as made and
+  // whether every rank makes half-type products; 0 when it does not run.
+  auto in_place_plan = [&](int64_t chunks, int64_t kmax, bool terms_half, bool half_products) -> size_t {
+    if (!slots_fit) return 0;
+    const size_t rows = in_place_rows(p, m, size_t(n) * c10::elementSize(terms_half ? made_t : acc_t), 1,
+                                      std::max<int64_t>(chunks, 1));
+    return in_place_pays(m, rows, 1, chunks, kmax, n, double(m) * n, half_products) ? rows : 0;
+  };
   // Whether this rank expects the in-place path, from its own arguments (the agreed k, chunk count and product
   // type decide it after the agreement; a rank that expected otherwise has made the product for nothing, or
   // makes it after the agreement).
-  const bool expect_in_place =
-      slots_fit && in_place_pays(m, in_place_rows(p, m, size_t(n) * c10::elementSize(mk_half ? made_t : acc_t), 1,
-                                                  std::max<int64_t>(ga.proposal(), 1)),
-                                 1, ga.proposal(), k, n, double(m) * n, made_half);
+  const bool expect_in_place = in_place_plan(ga.proposal(), k, mk_half, made_half) > 0;
   // One chunk planned, no ring (or the plain path proposed), not in place: the whole product a_r @ b_r does not
   // depend on the agreed chunk count, so it is computed while the agreement travels (if rank 0 asked for more
   // chunks, they are reduced from it; if it chose the ring, that computes its own). Rows that fit a slot but
@@ -997,9 +1002,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   } else if (offer && !own.is_same(acc)) {
     acc.copy_(own);  // ... widened
   }
-  const size_t term_row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(mk_half ? made_t : acc_t);
-  const size_t in_place_chunk = slots_fit ? in_place_rows(p, m, term_row_bytes, 1, C) : 0;
-  const bool in_place = in_place_pays(m, in_place_chunk, 1, C, ga.max_over_ranks(1), n, double(m) * n, all_half);
+  const size_t in_place_chunk = in_place_plan(C, ga.max_over_ranks(1), mk_half, all_half);
+  const bool in_place = in_place_chunk > 0;
   if (!early) prepare();
   if (m == 0 || n == 0) return half ? acc.to(a_in.scalar_type()) : acc;
   if (g.size == 1) {  // the product, in the input type where it is made so: no fp32 buffer, no pass to round it
@@ -1172,12 +1176,18 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // chunk by chunk, and this rank's block of the sum lands in acc_out.
   const size_t row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(acc_t);
   const bool slots_fit = err.empty() && !may_ring && in_place_rows(p, mb, row_bytes, size_t(R), 1) > 0;
+  // The in-place path's rows per chunk for a chunk count, the largest k, the staging type and whether every rank
+  // makes half-type products; 0 when it does not run. (A chunk of every row is one GEMM into the slot, else one
+  // per block.)
+  auto in_place_plan = [&](int64_t chunks, int64_t kmax, at::ScalarType staged, bool half_products) -> size_t {
+    if (!slots_fit) return 0;
+    const size_t rows = in_place_rows(p, mb, size_t(n) * c10::elementSize(staged), size_t(R),
+                                      std::max<int64_t>(chunks, 1));
+    const int64_t gemms_per_chunk = int64_t(rows) == mb ? 1 : R;
+    return in_place_pays(mb, rows, gemms_per_chunk, chunks, kmax, n, double(m) * n, half_products) ? rows : 0;
+  };
   // Whether this rank expects the in-place path, from its own arguments (as gemm_allreduce's)
-  const size_t own_chunk = slots_fit ? in_place_rows(p, mb, size_t(n) * c10::elementSize(stage_t), size_t(R),
-                                                     std::max<int64_t>(ga.proposal(), 1))
-                                     : 0;
-  const bool expect_in_place = slots_fit && in_place_pays(mb, own_chunk, int64_t(own_chunk) == mb ? 1 : R,
-                                                          ga.proposal(), k, n, double(m) * n, made_half);
+  const bool expect_in_place = in_place_plan(ga.proposal(), k, stage_t, made_half) > 0;
   // One chunk planned, no ring (or the plain path proposed), not in place: every rank's block of partial sums
   // (the whole a_r @ b_r, [R, mb, n]) is computed while the agreement travels. (Rows that fit a slot but would
   // not go in place were made after the agreement, one GEMM per block, until 2026-12-01: see bench/README.md.)
@@ -1210,11 +1220,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   // offered but not carried, or made early for the alltoall where a reduce-scatter won: widened
   if (full.defined() && full.scalar_type() != stage_t) full = full.to(stage_t);
   const size_t stage_row_bytes = size_t(std::max<int64_t>(n, 0)) * c10::elementSize(stage_t);
-  const size_t in_place_chunk = slots_fit ? in_place_rows(p, mb, stage_row_bytes, size_t(R), C) : 0;
-  // (a chunk of every row is one GEMM into the slot, else one per block)
-  const int64_t gemms_per_chunk = int64_t(in_place_chunk) == mb ? 1 : R;
-  const bool in_place =
-      in_place_pays(mb, in_place_chunk, gemms_per_chunk, C, ga.max_over_ranks(1), n, double(m) * n, all_half);
+  const size_t in_place_chunk = in_place_plan(C, ga.max_over_ranks(1), stage_t, all_half);
+  const bool in_place = in_place_chunk > 0;
   if (!early) prepare();
   if (mb == 0 || n == 0) return half ? acc_out.to(a_in.scalar_type()) : acc_out;
   if (R == 1) {  // (as gemm_allreduce's: the product, in the input type where it is made so)

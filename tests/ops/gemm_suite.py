@@ -28,15 +28,19 @@ import torch
 import torch.distributed as dist
 
 
+# --widen-half-on and --small-half-gemm-on, read before the imports (set_rank_variables) and listed by main()'s parser
+RANK_VARIABLES = argparse.ArgumentParser(add_help=False)
+RANK_VARIABLES.add_argument("--widen-half-on", default="", help="comma-separated ranks that widen half types")
+RANK_VARIABLES.add_argument("--small-half-gemm-on", default="",
+                            help="R:N,... sets SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R")
+
+
 def set_rank_variables(argv: list[str]) -> None:
     """--widen-half-on R,... and --small-half-gemm-on R:N,...: this rank's SUPERKERNEL_OPS_WIDEN_HALF and
     SUPERKERNEL_OPS_SMALL_HALF_GEMM, set before superkernel is imported, which reads both (once) at import: set
     later, in main(), until 2026-12-01, they changed nothing, and the tests of ranks that differ in them ran
     ranks that did not."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--widen-half-on", default="")
-    pre.add_argument("--small-half-gemm-on", default="")
-    known, _ = pre.parse_known_args(argv)
+    known, _ = RANK_VARIABLES.parse_known_args(argv)
     me = int(os.environ["RANK"])
     if known.widen_half_on and me in {int(r) for r in known.widen_half_on.split(",")}:
         os.environ["SUPERKERNEL_OPS_WIDEN_HALF"] = "1"
@@ -540,16 +544,13 @@ def run_tune_plain(calls: int) -> None:
 
 def main() -> None:
     global rank, world, exact_half_bytes
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(parents=[RANK_VARIABLES])
     ap.add_argument("--backend", default="mk")
     ap.add_argument("--errors", action="store_true")
     ap.add_argument("--opcheck", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--tune-plain", type=int, default=0, help="only each op at one shape, this many calls")
-    ap.add_argument("--widen-half-on", default="", help="comma-separated ranks that widen half types")
-    ap.add_argument("--small-half-gemm-on", default="",
-                    help="R:N,... sets SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R")
     args = ap.parse_args()  # (--widen-half-on and --small-half-gemm-on took effect before the imports)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
