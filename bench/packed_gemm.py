@@ -58,6 +58,11 @@ def main() -> None:
             p, q = statistics.median(plain), statistics.median(packed)
             cells.append(f"{p:7.2f} / {q:7.2f} ({p / q:.2f}x)")
         print(f"{shape:>16} | {whole:8.2f} | " + " | ".join(cells), flush=True)
+    probe = _C.packed_gemm_probe()  # (what the ops go by: kernels/packed_gemm.h)
+    print(f"# this process's probe (512x1024x1024 in 4 row blocks, best of 4): plain {probe['plain_ms']:.2f} ms, "
+          f"packed {probe['packed_ms']:.2f} ms: packing {'pays' if probe['pays'] else 'does not pay'} here "
+          f"(packed <= {probe['ratio']} x plain), so the ops {'pack' if probe['pays'] else 'do not pack'} b "
+          f"unless SUPERKERNEL_OPS_PACKED_B says otherwise")
 
 
 if __name__ == "__main__":

@@ -530,6 +530,25 @@ PYBIND11_MODULE(_C, m) {
         "Whether the GEMM ops can pack an fp32 b once for their chunks' products (MKL's packed sgemm found in "
         "this process) and SUPERKERNEL_OPS_PACKED_B does not say 0 (kernels/packed_gemm.h).");
   m.def(
+      "packed_gemm_probe",
+      [] {
+        const mk::kernels::PackProbe p = mk::kernels::packed_gemm_probe();
+        py::dict d;
+        d["plain_ms"] = p.plain_ms;
+        d["packed_ms"] = p.packed_ms;
+        d["pays"] = p.pays;
+        d["ratio"] = mk::kernels::kPackedProbeRatio;
+        return d;
+      },
+      "This process's timing of 512x1024x1024 in four row blocks, plain and from b packed once (ms, the best of "
+      "four), and whether packing pays here (packed <= ratio x plain); timed on the first call "
+      "(kernels/packed_gemm.h).");
+  m.def("packed_gemm_offer", &mk::kernels::packed_gemm_offer,
+        "What this process offers to a GEMM op's agreement on packing b: the probe's verdict, or what "
+        "SUPERKERNEL_OPS_PACKED_B says (0: no; 1, all: yes).");
+  m.def("packed_products", &mk::kernels::packed_products,
+        "How many products this process made from a packed b (the probe's own not counted).");
+  m.def(
       "chunked_mm",
       [](const at::Tensor& a, const at::Tensor& b, int64_t chunks, bool packed) {
         TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.scalar_type() == at::kFloat &&

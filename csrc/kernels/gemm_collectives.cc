@@ -105,6 +105,7 @@ struct Products {
   at::Tensor b_wide;  // a half type made as it is, in small GEMMs (small_half_gemm): b widened, else undefined
   bool widen = false;
   mutable std::shared_ptr<const PackedB> packed;  // b packed for several fp32 products (pack_for), else null
+  bool may_pack = true;  // every rank offered to pack (agreed, packed_gemm_offer); the ops set it after agreeing
   // The dtype of a product as made: the input type, or fp32 for a half type widened.
   static at::ScalarType type(const at::Tensor& a, bool exact) {
     const at::ScalarType t = a.scalar_type();
@@ -139,10 +140,13 @@ struct Products {
       dst.copy_(at::mm(lhs, b));
   }
   // Before `gemms` products of at most `rows` rows each (a ring or a chunked pipeline): b packed once for them
-  // where that pays (fp32 products, MKL present; packed_gemm.h). Every rank decides alike from agreed sizes.
+  // where that pays (fp32 products, MKL present, every rank offering it; packed_gemm.h). Every rank decides
+  // alike from agreed sizes and offers.
   // (const: the packed copy is a cache of b; called before the products start, never during)
   void pack_for(int64_t gemms, int64_t rows) const {
-    if (packed || b_wide.defined() || b.scalar_type() != at::kFloat || !b.device().is_cpu() || b.dim() != 2) return;
+    if (packed || !may_pack || b_wide.defined() || b.scalar_type() != at::kFloat || !b.device().is_cpu() ||
+        b.dim() != 2)
+      return;
     if (!packed_gemm_pays(gemms, rows, b.size(0), b.size(1))) return;
     auto pb = std::make_shared<const PackedB>(b, rows);
     if (!pb->empty()) packed = std::move(pb);
@@ -588,6 +592,19 @@ at::Tensor slot_tensor(const char* p, int64_t rows, int64_t cols, const at::Tens
   return at::from_blob(const_cast<char*>(p), {rows, cols}, o);
 }
 
+// This rank's word on packing b (Products::may_pack): packed_gemm_offer (whose probe runs then, once per process)
+// where this rank's fp32 products could come from a packed b at all; 0 where it never packs (no MKL,
+// SUPERKERNEL_OPS_PACKED_B=0); 1 where its b is too small to pack or its products are half-type, which leaves the
+// decision to the ranks that would pack. Each op packs only where every rank offered (the smallest, agreed):
+// allgather_gemm's blocks are then made alike on every rank; gemm_allreduce's and gemm_reducescatter's terms
+// would not need it (a sum's bytes do not depend on how its terms were made), but one rule is one to test.
+int64_t pack_offer(const at::Tensor& a, const at::Tensor& b, bool made_half) {
+  if (made_half || !a.device().is_cpu() || b.dim() != 2) return 1;
+  if (!packed_gemm_available()) return 0;
+  if (!packed_gemm_pays(kPackedMinGemms, 1, b.size(0), b.size(1))) return 1;
+  return packed_gemm_offer() ? 1 : 0;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const at::Tensor& b_in,
@@ -653,7 +670,8 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   GemmAgreement ga(p, a_in, "k", true, m, k, n, false, chunks, model, err,
                    {{"return_gathered", int64_t(return_gathered), true}, {"ring", int64_t(may_ring), true},
                     {"half_products", int64_t(made_half), false}, {"small_half_limit", small_limit, false},
-                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
+                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false},
+                    {"packs_b", err.empty() ? pack_offer(a_in, b_in, made_half) : 0, false}},
                    std::move(carried), may_ride);
   if (ga.rides()) {
     // The call the group armed with, again on this rank (same descriptor): its shard, with its word, gathered
@@ -723,6 +741,7 @@ std::tuple<at::Tensor, at::Tensor> allgather_gemm(const at::Tensor& a_in, const 
   const bool other_limit = !mixed && ga.extra_of_rank0(3) != small_limit;
   if (mixed && !prod->widen) prod.emplace(a_in, b_in, /*exact=*/false, R * m, /*widen_anyway=*/true);
   if (other_limit) prod.emplace(a_in, b_in, /*exact=*/false, R * m, false, ga.extra_of_rank0(3));
+  prod->may_pack = ga.extra_min(5) != 0;  // (every rank offered to pack b)
   const bool own_done = early_own && (C == 1 || ga.carried()) && !mixed && !other_limit;
   // (the caller does not get `gathered` back unless asked: then a fresh tensor, else a reused buffer, which
   // the in-place path below never needs)
@@ -908,10 +927,12 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc, term;  // term: this rank's product as it travels (acc, or as made: sum_here, mk_half)
   std::optional<Products> prod;
+  bool packs = false;  // every rank offered to pack b (agreed; no product made before the agreement packs)
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
     prod.emplace(a_in, b_in, /*exact=*/true, m);
+    prod->may_pack = packs;
     acc = at::empty({m, n}, a.options().dtype(acc_t));
   };
   auto make_term = [&] {  // (one rank: the product is the result, made as the unfused matmul makes it)
@@ -933,7 +954,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const bool may_ride = g.device.is_cpu() && R > 1 && !p.one_host();
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
                    {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false},
-                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
+                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false},
+                    {"packs_b", err.empty() ? pack_offer(a_in, b_in, made_half) : 0, false}},
                    std::move(carried), may_ride);
   if (ga.rides()) {
     // The call the group armed with, again on this rank (same descriptor): its product and the one allreduce
@@ -978,6 +1000,8 @@ at::Tensor gemm_allreduce(const at::Tensor& a_in, const at::Tensor& b_in, c10::s
   const GemmAgreement::Agreed agreed = ga.chunks();
   const bool ring = may_ring && !agreed.plain;
   const int64_t C = agreed.count;
+  packs = ga.extra_min(3) != 0;
+  if (prod) prod->may_pack = packs;
   const bool all_half = ga.extra_min(1) != 0;  // every rank makes its products in the half type
   if ((sum_here || mk_half) && !all_half) {  // a rank made fp32 products (see sums_here): every rank sums fp32
     sum_here = mk_half = false;
@@ -1137,10 +1161,12 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const bool half = acc_t != a_in.scalar_type();
   at::Tensor a, acc_out, full;
   std::optional<Products> prod;
+  bool packs = false;  // every rank offered to pack b (agreed; no product made before the agreement packs)
   auto prepare = [&] {
     if (a.defined()) return;
     a = a_in.contiguous();
     prod.emplace(a_in, b_in, /*exact=*/true, m);
+    prod->may_pack = packs;
     acc_out = at::empty({mb, n}, a.options().dtype(acc_t));
   };
   // Small blocks: the whole product is computed first and travels inside the agreement (block q of it to rank
@@ -1160,7 +1186,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const bool may_ride = g.is_mk() && g.device.is_cpu() && R > 1 && !p.one_host();
   GemmAgreement ga(p, a_in, "k_r", false, m, k, n, true, chunks, model, err,
                    {{"ring", int64_t(may_ring), true}, {"half_products", int64_t(made_half), false},
-                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false}},
+                    {"SUPERKERNEL_OPS_FOLD", int64_t(Pipeline::fold_allowed()), false},
+                    {"packs_b", err.empty() ? pack_offer(a_in, b_in, made_half) : 0, false}},
                    std::move(carried), may_ride);
   if (ga.rides()) {
     // The call the group armed with, again on this rank (same descriptor): every rank's block of its products,
@@ -1203,6 +1230,8 @@ at::Tensor gemm_reducescatter(const at::Tensor& a_in, const at::Tensor& b_in, c1
   const GemmAgreement::Agreed agreed = ga.chunks();
   const bool ring = may_ring && !agreed.plain;
   const int64_t C = agreed.count;
+  packs = ga.extra_min(3) != 0;
+  if (prod) prod->may_pack = packs;
   if (ga.carried()) {  // every rank's part of this block came with the agreement: summed in rank order
     auto part = [&](int q) {
       if (q == r) return full.select(0, r);

@@ -2,10 +2,17 @@
 #include "kernels/packed_gemm.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/full.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <mutex>
 
 // MKL's CBLAS packed routines (LP64: 32-bit integers), declared weak: null where the process has no MKL.
 // The enumerations are MKL's (mkl_cblas.h), passed as ints as C passes them.
@@ -26,14 +33,18 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMa
 bool fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
 // SUPERKERNEL_OPS_PACKED_B: "0" never packs, "all" packs for any two or more products (the tests' way onto
-// this path at small shapes), else (unset, "1") where packed_gemm_pays says so.
+// this path at small shapes), else where packed_gemm_pays says so: unset, where the probe found packing
+// faster too (packed_gemm_offer); "1", whatever the probe would find.
 enum class PackSetting { off, pays, all };
-PackSetting pack_setting() {
+PackSetting pack_setting(bool* forced = nullptr) {
   const char* v = std::getenv("SUPERKERNEL_OPS_PACKED_B");
+  if (forced) *forced = v && *v;
   if (v && std::strcmp(v, "0") == 0) return PackSetting::off;
   if (v && std::strcmp(v, "all") == 0) return PackSetting::all;
   return PackSetting::pays;
 }
+
+std::atomic<int64_t> g_packed_products{0};
 
 }  // namespace
 
@@ -50,6 +61,61 @@ bool packed_gemm_pays(int64_t gemms, int64_t rows, int64_t k, int64_t n) {
   }
   return gemms >= kPackedMinGemms && k * n >= kPackedMinElements;
 }
+
+PackProbe packed_gemm_probe() {
+  static std::once_flag once;
+  static PackProbe probe;
+  std::call_once(once, [] {
+    if (!packed_gemm_present()) return;
+    constexpr int64_t m = 512, k = 1024, n = 1024, blocks = 4, rows = m / blocks;
+    // (constant operands: a GEMM's time does not depend on normal values, and the process's RNG stays untouched)
+    at::Tensor a = at::full({m, k}, 0.5f), b = at::full({k, n}, 0.25f), c = at::empty({m, n});
+    int64_t made = 0;  // (the probe's products are not the ops': taken off packed_products() after)
+    auto plain = [&] {
+      for (int64_t i = 0; i < blocks; ++i) {
+        at::Tensor dst = c.narrow(0, i * rows, rows);
+        at::mm_out(dst, a.narrow(0, i * rows, rows), b);
+      }
+    };
+    auto packed = [&] {  // (the packing itself inside, as an op pays it once per call)
+      PackedB pb(b, rows);
+      for (int64_t i = 0; i < blocks; ++i, ++made)
+        if (pb.empty() || !pb.into(c.narrow(0, i * rows, rows), a.narrow(0, i * rows, rows))) return false;
+      return true;
+    };
+    auto ms = [](auto&& fn) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fn();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    };
+    plain();  // warm-up of each
+    if (!packed()) {
+      g_packed_products.fetch_sub(made);
+      return;
+    }
+    double best_plain = std::numeric_limits<double>::infinity(), best_packed = best_plain;
+    for (int i = 0; i < 4; ++i) {
+      best_plain = std::min(best_plain, ms(plain));
+      best_packed = std::min(best_packed, ms(packed));
+    }
+    g_packed_products.fetch_sub(made);
+    probe = {best_plain, best_packed, best_packed <= kPackedProbeRatio * best_plain};
+  });
+  return probe;
+}
+
+bool packed_gemm_offer() {
+  if (!packed_gemm_present()) return false;
+  bool forced = false;
+  switch (pack_setting(&forced)) {
+    case PackSetting::off: return false;
+    case PackSetting::all: return true;
+    case PackSetting::pays: return forced || packed_gemm_probe().pays;
+  }
+  return false;
+}
+
+int64_t packed_products() { return g_packed_products.load(); }
 
 PackedB::PackedB(const at::Tensor& b, int64_t rows) {
   if (!packed_gemm_available() || !b.defined() || b.dim() != 2 || b.scalar_type() != at::kFloat ||
@@ -105,6 +171,7 @@ bool PackedB::into(const at::Tensor& dst, const at::Tensor& rows) const {
   cblas_sgemm_compute(kRowMajor, transa, kPacked, int(m), int(n_), int(k_), rows.const_data_ptr<float>(), int(lda),
                       static_cast<const float*>(buf_.const_data_ptr()), int(n_), 0.0f, dst.data_ptr<float>(),
                       int(ldc));
+  g_packed_products.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 

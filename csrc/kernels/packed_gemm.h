@@ -8,8 +8,9 @@
 // MKL's packed routines are found at run time in the libtorch this process loaded (torch's x86 wheels carry
 // MKL and export its CBLAS symbols); where they are absent (another BLAS, another architecture), or with
 // SUPERKERNEL_OPS_PACKED_B=0, nothing is packed and the ops multiply with ATen as before. A packed product may
-// differ from ATen's in the last bit, so every rank of a group must set the variable alike (allgather_gemm's
-// output is the same bytes on every rank only when every rank makes each block the same way).
+// differ from ATen's in the last bit, so the ops pack only where every rank of the group offers to
+// (packed_gemm_offer, agreed): allgather_gemm's output is the same bytes on every rank only when every rank
+// makes each block the same way.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,6 +34,26 @@ bool packed_gemm_available();
 bool packed_gemm_pays(int64_t gemms, int64_t rows, int64_t k, int64_t n);
 constexpr int64_t kPackedMinGemms = 3;
 constexpr int64_t kPackedMinElements = int64_t(1) << 18;
+
+// Whether packing pays on this processor at all, timed once per process (the first time an op asks): a
+// 512x1024x1024 product in four 128-row blocks, with ATen's matmul and from b packed once, interleaved, the
+// best of four each. Packing pays when the packed blocks took at most kPackedProbeRatio of the plain ones. MKL
+// does not pack alike on every processor: on the Intel VM (2026-11-30) packed row blocks were 1.00-1.36x faster
+// than plain ones, 512x1024x1024 in 4 blocks 1.10x; on an AMD EPYC of family 26 (2026-12-01, one thread,
+// bench/packed_gemm.py) 0.84-1.04x, 512-row blocks of 1536x2048 b 0.90-0.93x, 512x1024x1024 in 4 blocks 0.96x.
+struct PackProbe {
+  double plain_ms = 0, packed_ms = 0;  // the best time of each form (0 when nothing was timed)
+  bool pays = false;
+};
+constexpr double kPackedProbeRatio = 0.97;
+PackProbe packed_gemm_probe();  // (times it on the first call; MKL's packed sgemm absent: nothing timed)
+// What this process offers to a GEMM op's agreement for its fp32 products: SUPERKERNEL_OPS_PACKED_B unset, the
+// probe's verdict; "1" or "all", yes (the size rule alone, without the probe); "0" or no MKL, no. Every rank's
+// offer is agreed (the smallest) before b is packed, so ranks that differ in it (another processor, another
+// setting) make every block alike, and allgather_gemm's output stays the same bytes on every rank.
+bool packed_gemm_offer();
+// How many products were made from a packed b in this process (the tests' proof that packing ran).
+int64_t packed_products();
 
 class PackedB {
  public:

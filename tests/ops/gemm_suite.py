@@ -33,13 +33,14 @@ RANK_VARIABLES = argparse.ArgumentParser(add_help=False)
 RANK_VARIABLES.add_argument("--widen-half-on", default="", help="comma-separated ranks that widen half types")
 RANK_VARIABLES.add_argument("--small-half-gemm-on", default="",
                             help="R:N,... sets SUPERKERNEL_OPS_SMALL_HALF_GEMM=N on rank R")
+RANK_VARIABLES.add_argument("--packed-b-on", default="", help="R:V,... sets SUPERKERNEL_OPS_PACKED_B=V on rank R")
 
 
 def set_rank_variables(argv: list[str]) -> None:
     """--widen-half-on R,... and --small-half-gemm-on R:N,...: this rank's SUPERKERNEL_OPS_WIDEN_HALF and
     SUPERKERNEL_OPS_SMALL_HALF_GEMM, set before superkernel is imported, which reads both (once) at import: set
     later, in main(), until 2026-12-01, they changed nothing, and the tests of ranks that differ in them ran
-    ranks that did not."""
+    ranks that did not. --packed-b-on R:V,...: this rank's SUPERKERNEL_OPS_PACKED_B (read on every call)."""
     known, _ = RANK_VARIABLES.parse_known_args(argv)
     me = int(os.environ["RANK"])
     if known.widen_half_on and me in {int(r) for r in known.widen_half_on.split(",")}:
@@ -48,6 +49,10 @@ def set_rank_variables(argv: list[str]) -> None:
         on, limit = item.split(":")
         if int(on) == me:
             os.environ["SUPERKERNEL_OPS_SMALL_HALF_GEMM"] = limit
+    for item in filter(None, known.packed_b_on.split(",")):
+        on, value = item.split(":")
+        if int(on) == me:
+            os.environ["SUPERKERNEL_OPS_PACKED_B"] = value
 
 
 set_rank_variables(sys.argv[1:])
@@ -583,7 +588,8 @@ def main() -> None:
               # reached it)
               "half_native": {str(t): _C.half_gemm_native(str(t).split(".")[1]) for t in (torch.bfloat16,
                                                                                          torch.float16)},
-              "small_limits": {str(t): v for t, v in small_limits[rank].items()}}
+              "small_limits": {str(t): v for t, v in small_limits[rank].items()},
+              "packed_products": _C.packed_products()}
     sys.stdout.write("REPORT " + json.dumps(report) + "\n")
     sys.stdout.flush()
     dist.destroy_process_group()

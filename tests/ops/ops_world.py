@@ -47,7 +47,7 @@ def failures_of(reports: list[dict], family: str) -> list[str]:
 
 _RING_TRACE = re.compile(r"\[mk (allgather_gemm|gemm_allreduce|gemm_reducescatter) rank (\d+) call \d+\] m=(\d+) "
                          r"k(?:_r)?=(\d+) n=(\d+) (\w+) chunks=(\d+|plain) \(proposed (?:\d+|plain), (automatic|requested \d+)\).* "
-                         r"ring=(\d)(?: half_products=(\d))?(?: small_half_limit=\d+)?"
+                         r"ring=(\d)(?: half_products=(\d))?(?: small_half_limit=\d+)?(?: packs_b=\d)?"
                          r"( agreement=(?:board|side))?( carried)?$", re.MULTILINE)
 
 # Tests that run the rings on small shapes set this (csrc/kernels/gemm_collectives.cc: ring_rows; the
