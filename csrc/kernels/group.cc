@@ -75,8 +75,9 @@ std::string value_text(const char* field, int64_t v) {
 // (bumped whenever what a descriptor's words mean changes: see descriptor_version_problem; 6: chunk
 // proposals may be kPlainPath, -1, and ring_attention's tuned path is 1 ring / -1 gather, where 2 / 1 was;
 // 7: the tuned ops send Pipeline::tuner_fields before their chunk field; 8: gemm_allreduce sends
-// SUPERKERNEL_OPS_FOLD, and on an armed group a call may ride its allreduce instead of agreeing, pipeline.h)
-constexpr int64_t kMagic = 0x6d6b616772656538;  // "mkagree8"
+// SUPERKERNEL_OPS_FOLD, and on an armed group a call may ride its allreduce instead of agreeing, pipeline.h;
+// 9: the GEMM ops send packs_b, gemm_collectives.cc's pack_offer)
+constexpr int64_t kMagic = 0x6d6b616772656539;  // "mkagree9"
 constexpr size_t kName = 1, kNameBytes = 32, kSeq = 5, kCount = 6, kOk = 7, kHost = 8;
 constexpr size_t kBoardPid = 9, kBoardFd = 10, kBoardToken = 11, kBoardMapped = 12, kCarried = 13;
 constexpr size_t kSide = 14, kCarries = 15, kHead = 16;

@@ -107,11 +107,11 @@ def test_descriptor_version_problem() -> None:
     word is a malformed descriptor."""
     from superkernel import _C
 
-    ours = int.from_bytes(b"mkagree8", "big")
+    ours = int.from_bytes(b"mkagree9", "big")
     assert _C.descriptor_version_problem(ours, 3) == ""
-    older = _C.descriptor_version_problem(int.from_bytes(b"mkagree7", "big"), 3)
-    assert older == ("rank 3 runs a superkernel build whose argument descriptors are version 7, this rank's are "
-                     "version 8; every rank of a job must run the same build"), older
+    older = _C.descriptor_version_problem(int.from_bytes(b"mkagree8", "big"), 3)
+    assert older == ("rank 3 runs a superkernel build whose argument descriptors are version 8, this rank's are "
+                     "version 9; every rank of a job must run the same build"), older
     assert _C.descriptor_version_problem(0, 1) == "rank 1 sent a malformed argument descriptor"
     assert _C.descriptor_version_problem(int.from_bytes(b"mkagreeX", "big"), 1) == \
         "rank 1 sent a malformed argument descriptor"
