@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 
 // MKL's CBLAS packed routines (LP64: 32-bit integers), declared weak: null where the process has no MKL.
 // The enumerations are MKL's (mkl_cblas.h), passed as ints as C passes them.
@@ -63,10 +64,13 @@ bool packed_gemm_pays(int64_t gemms, int64_t rows, int64_t k, int64_t n) {
 }
 
 PackProbe packed_gemm_probe() {
-  static std::once_flag once;
-  static PackProbe probe;
-  std::call_once(once, [] {
-    if (!packed_gemm_present()) return;
+  static std::mutex mu;
+  static std::optional<PackProbe> done;
+  std::lock_guard<std::mutex> lock(mu);  // (a second caller waits for the first one's timing)
+  if (done) return *done;
+  if (!packed_gemm_present()) return *(done = PackProbe{});
+  if (!packed_gemm_available()) return {};  // (SUPERKERNEL_OPS_PACKED_B=0 for now: timed once it allows packing)
+  [&] {
     constexpr int64_t m = 512, k = 1024, n = 1024, blocks = 4, rows = m / blocks;
     // (constant operands: a GEMM's time does not depend on normal values, and the process's RNG stays untouched)
     at::Tensor a = at::full({m, k}, 0.5f), b = at::full({k, n}, 0.25f), c = at::empty({m, n});
@@ -91,6 +95,7 @@ PackProbe packed_gemm_probe() {
     plain();  // warm-up of each
     if (!packed()) {
       g_packed_products.fetch_sub(made);
+      done = PackProbe{};
       return;
     }
     double best_plain = std::numeric_limits<double>::infinity(), best_packed = best_plain;
@@ -99,9 +104,9 @@ PackProbe packed_gemm_probe() {
       best_packed = std::min(best_packed, ms(packed));
     }
     g_packed_products.fetch_sub(made);
-    probe = {best_plain, best_packed, best_packed <= kPackedProbeRatio * best_plain};
-  });
-  return probe;
+    done = PackProbe{best_plain, best_packed, best_packed <= kPackedProbeRatio * best_plain};
+  }();
+  return *done;
 }
 
 bool packed_gemm_offer() {

@@ -76,8 +76,12 @@ def test_probe_times_both_forms_and_its_verdict_is_the_offer(monkeypatch: pytest
 
 
 _PROBE_IN_A_NEW_PROCESS = """
+import os
 import torch
 from superkernel import _C
+os.environ["SUPERKERNEL_OPS_PACKED_B"] = "0"
+assert _C.packed_gemm_probe()["plain_ms"] == 0  # (nothing timed while packing is off, and nothing kept)
+del os.environ["SUPERKERNEL_OPS_PACKED_B"]
 torch.manual_seed(5)
 want = torch.rand(3)
 torch.manual_seed(5)
@@ -90,8 +94,9 @@ assert _C.packed_products() == 0, _C.packed_products()
 
 @needs_mkl
 def test_probe_leaves_the_random_state_and_the_count_alone() -> None:
-    """In a process of its own (this one's probe may have run already): the probe draws nothing from torch's
-    default generator and its products are not counted as the ops'."""
+    """In a process of its own (this one's probe may have run already): with SUPERKERNEL_OPS_PACKED_B=0 it times
+    nothing and keeps nothing, so it times once packing is allowed; it draws nothing from torch's default
+    generator, and its products are not counted as the ops'."""
     env = {k: v for k, v in os.environ.items() if k != "SUPERKERNEL_OPS_PACKED_B"}
     proc = subprocess.run([sys.executable, "-c", _PROBE_IN_A_NEW_PROCESS], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
