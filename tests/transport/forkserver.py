@@ -60,6 +60,12 @@ def become_rank(request: dict, stdout: int, stderr: int) -> int:
     if threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     script = request["argv"][0]
+    try:
+        open(script, "rb").close()
+    except OSError as e:  # as the interpreter says it
+        print(f"{sys.executable}: can't open file {os.path.abspath(script)!r}: [Errno {e.errno}] {e.strerror}",
+              file=sys.stderr)
+        return 2
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     global script_globals

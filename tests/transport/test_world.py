@@ -55,6 +55,12 @@ def test_exit_codes_and_uncaught_exceptions(mode: str, args: list[str], code: in
             assert "ValueError: raised by world_probe" in res.stderr, res.stderr
 
 
+def test_a_script_that_is_not_there(mode: str) -> None:
+    procs = start_world(2, "no_such_script.py", [])
+    for res in collect(procs, 60):
+        assert res.returncode == 2 and "can't open file" in res.stderr and "no_such_script.py" in res.stderr, res
+
+
 def test_ranks_past_the_deadline_are_killed(mode: str) -> None:
     results = launch(mode, ["hang"], n=2, timeout=4)
     for res in results:

@@ -33,13 +33,13 @@ class ForkedRank:
     """A rank forked by the fork server, with the parts of subprocess.Popen the tests use: pid, stdout and
     stderr (text pipes), returncode, poll(), wait(timeout), communicate(), send_signal(), kill()."""
 
-    def __init__(self, pid: int, stdout: int, stderr: int, report: socket.socket) -> None:
+    def __init__(self, pid: int, stdout: int, stderr: int, report: socket.socket, pending: bytes = b"") -> None:
         self.pid = pid
         self.stdout = os.fdopen(stdout, "r")
         self.stderr = os.fdopen(stderr, "r")
         self.returncode: int | None = None
         self._report = report
-        self._pending = b""
+        self._pending = pending  # what the server reported after the pid
 
     def _read_exit(self, timeout: float | None) -> bool:
         while b"\n" not in self._pending:
@@ -122,16 +122,17 @@ class ForkServer:
             os.close(err_w)
             theirs.close()
         report.settimeout(60)
-        line = b""
-        while not line.endswith(b"\n"):
-            chunk = report.recv(64 - len(line))
+        got = b""
+        while b"\n" not in got:
+            chunk = report.recv(64)
             if not chunk:
                 raise RuntimeError(f"fork server (pid {self.proc.pid}) did not fork {argv[0]}")
-            line += chunk
+            got += chunk
         report.settimeout(None)
+        line, rest = got.split(b"\n", 1)  # (a rank that exited at once: its exit line may be here too)
         word, pid = line.split()
-        assert word == b"pid", line
-        return ForkedRank(int(pid), out_r, err_r, report)
+        assert word == b"pid", got
+        return ForkedRank(int(pid), out_r, err_r, report, rest)
 
 
 _server: ForkServer | None = None
