@@ -47,10 +47,17 @@ ensure_venv() {
   export VIRTUAL_ENV="$venv"
 }
 
-build() {
+# ccache keyed by paths relative to the checkout and, for builds with debug info (the sanitizer build), not by
+# the build directory either, so a fresh clone anywhere hits what an earlier checkout compiled.
+ccache_env() {
   export CCACHE_DIR="${CCACHE_DIR:-$cache/ccache}"
-  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
   export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$here}"
+  export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
+}
+
+build() {
+  ccache_env
+  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
   if [ -n "${SUPERKERNEL_SITE:-}" ]; then
     # Development checkouts (git worktrees) install into their own directory so they never overwrite the
     # venv's copy; PYTHONPATH puts it first for this process and every rank it starts.
@@ -68,7 +75,7 @@ build() {
 # ASan+UBSan build of the extension, installed into its own directory (the normal build stays untouched);
 # python itself is not instrumented, so the sanitizer runtimes are preloaded for every process it starts.
 sanitize_env() {
-  export CCACHE_DIR="${CCACHE_DIR:-$cache/ccache}"
+  ccache_env
   local site="$cache/asan-site-$key"
   log "building superkernel with AddressSanitizer + UBSan into $site"
   (cd "$here" && pip install -q --no-build-isolation --no-deps --upgrade --target "$site" \
