@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 
 # variables read before a rank's script runs (by the interpreter, the loader, torch's import or its libraries
 # when they load): a rank whose values differ from the fork server's is started as a new interpreter
-_READ_AT_START = re.compile(r"^(PYTHON|LD_|TORCH_|ATEN_|MKL_|KMP_|GOMP_|DNNL_|ONEDNN_|OPENBLAS_|CUDA_|OMP_(?!NUM_THREADS$))")
+_READ_AT_START = re.compile(r"^(PYTHON|LD_|TORCH_|ATEN_|MKL_|KMP_|GOMP_|DNNL_|ONEDNN_|OPENBLAS_|CUDA_"
+                            r"|OMP_(?!NUM_THREADS$))")
 
 
 class ForkedRank:
@@ -124,9 +125,12 @@ class ForkServer:
         report.settimeout(60)
         got = b""
         while b"\n" not in got:
-            chunk = report.recv(64)
+            try:
+                chunk = report.recv(64)
+            except TimeoutError:
+                raise RuntimeError(f"fork server (pid {self.proc.pid}) did not fork {argv[0]} within 60 s") from None
             if not chunk:
-                raise RuntimeError(f"fork server (pid {self.proc.pid}) did not fork {argv[0]}")
+                raise RuntimeError(f"fork server (pid {self.proc.pid}) exited before forking {argv[0]}")
             got += chunk
         report.settimeout(None)
         line, rest = got.split(b"\n", 1)  # (a rank that exited at once: its exit line may be here too)
