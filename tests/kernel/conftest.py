@@ -9,7 +9,8 @@ import dataclasses
 import os
 import queue
 import time
-from typing import Any, Iterator
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -141,13 +142,27 @@ class KernelSession:
         self.km.shutdown_kernel(now=False)
 
 
-def pool_processes() -> list[psutil.Process]:
-    """Every superkernel worker / launcher process on the machine."""
+def pool_processes(connection_files: Collection[str] | None = None) -> list[psutil.Process]:
+    """Every superkernel worker / launcher process on the machine, or only those of the pools whose connection
+    files are given (another kernel's pool, another test session's among them, is then left out)."""
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if "superkernel.worker" in cmd or ("torch.distributed.run" in cmd and "superkernel" in cmd):
-            out.append(p)
+            if connection_files is None or any(f in cmd for f in connection_files):
+                out.append(p)
+    return out
+
+
+def connection_files(procs: Iterable[psutil.Process]) -> set[str]:
+    """The pool connection files named (`--connection-file PATH`) on these processes' command lines."""
+    out = set()
+    for p in procs:
+        try:
+            argv = p.cmdline()
+        except psutil.Error:
+            continue
+        out |= {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--connection-file"}
     return out
 
 

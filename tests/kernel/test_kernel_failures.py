@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from conftest import KernelSession, pool_processes
+from conftest import KernelSession, connection_files, pool_processes
 
 
 def rank_pids(k: KernelSession) -> dict[int, int]:
@@ -116,23 +116,26 @@ def test_rank_stuck_in_a_collective_gets_out(kernel2):
 
 def test_shutdown_leaves_no_process_and_no_shm(kernel_prefix):
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    before = {p.pid for p in pool_processes()}
     k = KernelSession("sk-test-2")
     k.ok("print(rank)", timeout=180)
     tree = k.process_tree()
-    mine = [p for p in pool_processes() if p.pid not in before]
-    assert len(mine) >= 3  # torchrun + 2 workers
+    # other kernels (another test session's) may start and stop pools meanwhile: only this kernel's pools count
+    pools = connection_files(tree)
+    assert len(pools) == 1 and len(pool_processes(pools)) >= 3, pools  # torchrun + 2 workers
     # a kernel restart replaces the pool ...
     k.km.restart_kernel(now=False)
     k.kc.wait_for_ready(timeout=60)
     k.ok("print(rank)", timeout=180)
-    tree += k.process_tree()
+    again = k.process_tree()
+    assert connection_files(again) - pools, (pools, [p.cmdline() for p in again])  # a pool of its own
+    pools |= connection_files(again)
+    tree += again
     # ... and a shutdown removes it
     k.shutdown()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        left += [p for p in pool_processes() if p.pid not in before]
+        left += pool_processes(pools)  # also those that left the kernel's tree
         if not left:
             break
         time.sleep(0.1)
@@ -145,15 +148,15 @@ def test_shutdown_leaves_no_process_and_no_shm(kernel_prefix):
 
 
 def test_a_killed_kernel_leaves_no_pool_behind(kernel_prefix):
-    before = {p.pid for p in pool_processes()}
     k = KernelSession("sk-test-2")
     k.ok("pass", timeout=180)
-    assert len([p for p in pool_processes() if p.pid not in before]) >= 3
+    pools = connection_files(k.process_tree())  # this kernel's pool, not another session's
+    assert len(pools) == 1 and len(pool_processes(pools)) >= 3, pools
     os.kill(k.pid, signal.SIGKILL)  # no shutdown message: the ranks notice the kernel is gone
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and [p for p in pool_processes() if p.pid not in before]:
+    while time.monotonic() < deadline and pool_processes(pools):
         time.sleep(0.1)
-    left = [p for p in pool_processes() if p.pid not in before]
+    left = pool_processes(pools)
     k.kc.stop_channels()
     k.km.cleanup_resources()
     assert not left, [p.cmdline() for p in left]
