@@ -127,8 +127,9 @@ def test_shutdown_leaves_no_process_and_no_shm(kernel_prefix):
     k.kc.wait_for_ready(timeout=60)
     k.ok("print(rank)", timeout=180)
     again = k.process_tree()
-    assert connection_files(again) - pools, (pools, [p.cmdline() for p in again])  # a pool of its own
-    pools |= connection_files(again)
+    restarted = connection_files(again)
+    assert restarted - pools, (pools, restarted)  # a pool of its own
+    pools |= restarted
     tree += again
     # ... and a shutdown removes it
     k.shutdown()
