@@ -442,9 +442,9 @@ class SuperKernel(IPythonKernel):
         with self._lock:
             if cell.interrupted_at is None:
                 cell.interrupted_at = time.monotonic()
-        for r in cell.pending():
+        for r in cell.pending():  # the cell is named: a rank may not have taken it off its socket yet
             try:
-                pool.send(r, "interrupt_request", {}, timeout=0.5)
+                pool.send(r, "interrupt_request", {"cell": cell.msg_id}, timeout=0.5)
             except ConnectionError as e:
                 self.log.warning("interrupt: %s", e)
 
@@ -536,8 +536,10 @@ class SuperKernel(IPythonKernel):
 
     async def do_complete(self, code: str, cursor_pos: int | None) -> dict[str, Any]:
         try:
+            # a rank's first completion loads jedi: on a fresh, loaded machine a 2 s limit once fell back to the
+            # kernel's own namespace, which does not know the ranks' variables
             ev = await self.request(self._first_rank(), "complete_request", {"code": code, "cursor_pos": cursor_pos},
-                                    timeout=2.0)
+                                    timeout=REQUEST_TIMEOUT)
             return ev.msg["content"]
         except Exception:
             return super().do_complete(code, cursor_pos)
@@ -547,7 +549,7 @@ class SuperKernel(IPythonKernel):
         try:
             ev = await self.request(self._first_rank(), "inspect_request",
                                     {"code": code, "cursor_pos": cursor_pos, "detail_level": detail_level},
-                                    timeout=2.0)
+                                    timeout=REQUEST_TIMEOUT)
             return ev.msg["content"]
         except Exception:
             return super().do_inspect(code, cursor_pos, detail_level, omit_sections)

@@ -5,8 +5,9 @@ Launched by the pool (``torchrun ... -m superkernel.worker --connection-file F -
 
 * main thread: initialises the rank (``torch.distributed`` / MPI), then reads requests (execute, complete,
   inspect, push, pull) from its own socket and runs them in an IPython ``InteractiveShell``.
-* control thread: reads the control socket and acts at once on ``interrupt`` (KeyboardInterrupt in the main
-  thread) and ``shutdown``, even while a cell runs.
+* control thread: reads the control socket and acts at once on ``interrupt`` (KeyboardInterrupt in the cell
+  it names, even one the main thread has not received yet: ``cell_interrupts``) and ``shutdown``, even while a
+  cell runs.
   It also sends heartbeats and exits the rank when the kernel process is gone.
 * ipykernel's IOPub thread: sends everything (streams, displays, replies) on the PUSH socket, in order.
 
@@ -19,13 +20,13 @@ import argparse
 import logging
 import os
 import pickle
-import signal
 import socket
 import sys
 import threading
 import time
 from typing import Any
 
+from superkernel.cell_interrupts import CellInterrupts
 from superkernel.protocol import ConnectionInfo, WorkerChannels
 
 log = logging.getLogger("superkernel.worker")
@@ -169,10 +170,9 @@ class Worker:
         self.info = info
         self.channels = WorkerChannels(info, self.rank)
         self.session = self.channels.session
-        self.busy = threading.Event()
+        self.cells = CellInterrupts()
         self._kernel_heard = time.monotonic()
         self.stopping = threading.Event()
-        self._main_ident = threading.get_ident()
         self._start_io()
         self._start_shell()
 
@@ -245,7 +245,7 @@ class Worker:
                 self._kernel_heard = now
             if now - last_beat > HEARTBEAT_INTERVAL:
                 last_beat = now
-                self.send("heartbeat", {"busy": self.busy.is_set()})
+                self.send("heartbeat", {"busy": self.cells.running is not None})
                 if not self._kernel_alive():
                     log.error("rank %d: kernel process %d on %s is gone; exiting", self.rank, self.info.kernel_pid,
                               self.info.kernel_host)
@@ -256,24 +256,11 @@ class Worker:
             if kind == "ping":
                 continue
             if kind == "interrupt_request":
-                self.interrupt()
+                self.cells.interrupt(msg["content"].get("cell"))
             elif kind == "shutdown_request":
                 self.stopping.set()
-                if self.busy.is_set():
-                    self.interrupt()
+                if self.cells.interrupt():
                     threading.Timer(2.0, lambda: os._exit(0)).start()
-
-    def interrupt(self) -> None:
-        if self.busy.is_set():
-            signal.pthread_kill(self._main_ident, signal.SIGINT)
-            if "mk" in self.namespace.get("__superkernel_backend__", "").split(" (")[0]:
-                # a rank blocked in an mk collective: make the wait fail now, so the interrupt lands
-                try:
-                    from superkernel.backend import cancel_waits
-
-                    cancel_waits()
-                except Exception as e:
-                    log.warning("rank %d: cancelling mk waits failed: %s", self.rank, e)
 
     def _kernel_alive(self) -> bool:
         """False once the kernel process is gone (or a zombie nobody has reaped yet)."""
@@ -294,7 +281,7 @@ class Worker:
 
     # -- main thread --
     def serve(self) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.cells.install()
         threading.Thread(target=self.control_loop, name="superkernel-control", daemon=True).start()
         self.hello()
         handlers = {
@@ -315,7 +302,7 @@ class Worker:
                     continue
                 handler(msg)
             except KeyboardInterrupt:
-                continue  # an interrupt that arrived between cells
+                continue  # SIGINT during a request that is not a cell (complete, inspect, push, pull)
         self.flush()
         self.pub.stop()
 
@@ -338,15 +325,25 @@ class Worker:
         if c.get("execution_count"):
             shell.execution_count = int(c["execution_count"])
         shell.last_error = None
-        self.busy.set()
+        cell = msg["header"]["msg_id"]
+        result = None
+        delay = os.environ.get("SUPERKERNEL_TEST_CELL_DELAY_MS")  # tests: an interrupt overtakes the cell
+        if delay:
+            time.sleep(int(delay) / 1000)
         try:
-            result = shell.run_cell(c["code"], store_history=c.get("store_history", True),
-                                    silent=c.get("silent", False))
-        except KeyboardInterrupt:  # raised outside the user's code (e.g. in a hook)
-            result = None
+            try:
+                if self.cells.begin(cell):
+                    result = shell.run_cell(c["code"], store_history=c.get("store_history", True),
+                                            silent=c.get("silent", False))
+                else:
+                    evalue = f"the cell was interrupted on rank {self.rank} before it started"
+                    shell.last_error = {"ename": "KeyboardInterrupt", "evalue": evalue,
+                                        "traceback": [f"KeyboardInterrupt: {evalue}"]}
+            finally:
+                self.cells.end(cell)
+        except KeyboardInterrupt:  # outside the user's code (a hook), or as the cell ended
             shell.last_error = {"ename": "KeyboardInterrupt", "evalue": "", "traceback": ["KeyboardInterrupt"]}
-        finally:
-            self.busy.clear()
+            self.cells.end(cell)
         try:
             self.flush()
         except KeyboardInterrupt:

@@ -235,3 +235,26 @@ def test_sigint_to_the_kernel_process_interrupts_the_ranks(kernel2):
     r = kernel2.collect(msg_id, timeout=30, t0=t0)
     assert r.elapsed < 1.0 and r.reply["ename"] == "KeyboardInterrupt"
     assert kernel2.ok("1").result == "[ranks 0,1] 1"
+
+
+def test_an_interrupt_that_overtakes_the_cell_still_ends_it(kernel2):
+    """The interrupt reaches rank 1 before rank 1 has taken the cell off its socket (a 1.5 s test delay there
+    stands in for a main thread that is slow to get to it): the cell ends with KeyboardInterrupt on both ranks,
+    without starting on rank 1, and the pool and the namespaces are kept."""
+    import time
+
+    pids = kernel2.ok("import os\nos.getpid()").result
+    kernel2.ok("%%rank 1\nos.environ['SUPERKERNEL_TEST_CELL_DELAY_MS'] = '1500'")
+    try:
+        msg_id = kernel2.execute("import time\nprint('started')\ntime.sleep(100)")
+        time.sleep(0.5)  # rank 0 runs the cell; rank 1 has not started it
+        t0 = time.monotonic()
+        kernel2.km.interrupt_kernel()
+        r = kernel2.collect(msg_id, timeout=30, t0=t0)
+    finally:
+        kernel2.ok("%%rank 1\nos.environ.pop('SUPERKERNEL_TEST_CELL_DELAY_MS')")
+    assert r.status == "error" and r.reply["ename"] == "KeyboardInterrupt", r.reply
+    assert "interrupted on rank 1 before it started" in "\n".join(r.errors[0]["traceback"]), r.errors
+    assert labelled(r.stream()) == [("[rank 0]", "started")], r.stream()
+    assert r.elapsed < 2.5, r.elapsed  # rank 1's delay, not the interrupt grace and a SIGTERM
+    assert kernel2.ok("os.getpid()").result == pids
