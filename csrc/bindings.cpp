@@ -17,6 +17,7 @@
 #include "kernels/packed_gemm.h"
 #include "kernels/pipeline.h"
 #include "store_worker.h"
+#include "transport/cancel_hook.h"
 #include "transport/copy.h"
 #include "transport/deadline.h"
 #include "transport/host.h"
@@ -485,7 +486,7 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Create an mk backend (torch.distributed calls this through Backend.register_backend).");
 
-  m.def("cancel_waits", &mk::cancel_all,
+  m.def("cancel_waits", &mk::cancel_waits,
         "Make every mk wait in this process fail at once with 'cancelled by an interrupt' (the group is aborted).");
 
   m.def("eager_call", &mk::kernels::make_eager_call, py::arg("name"), py::arg("overload") = "",

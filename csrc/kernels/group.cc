@@ -9,9 +9,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 
 #include "kernels/agreement_board.h"
+#include "transport/cancel_hook.h"
 #include "transport/comm.h"
+#include "transport/deadline.h"
 #include "transport/error.h"
 #include "transport/host.h"
 #include "transport/process_group.h"
@@ -138,6 +141,7 @@ struct Agreement::State {
   std::vector<RequestPtr> sends, recvs;  // by peer (null for this rank)
   // other backends on CPU: the backend's point-to-point works, by peer (null for this rank)
   std::vector<c10::intrusive_ptr<c10d::Work>> other_sends, other_recvs;
+  uint64_t generation = cancel_generation().load(std::memory_order_acquire);  // an interrupt after: stop
   // other backends on other devices: the descriptors' alltoall (rank q's slot: its descriptor to q / from q)
   at::Tensor in, out;
   c10::intrusive_ptr<c10d::Work> work;
@@ -435,13 +439,23 @@ std::vector<std::vector<int64_t>> Agreement::result() {
 void Agreement::State::receive_other() {
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + g.timeout;
+  // An interrupt aborts the work (cancel_hook.h): Gloo's send/recv end at once; the alltoall of an accelerator
+  // backend is not aborted (that would tear down its communicator) and ends at the timeout.
   auto wait = [&](c10d::Work& w, const std::string& what) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto cancelled = [&] {
+      throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": ", what, ": cancelled by an interrupt"));
+    };
+    bool finished = false;
     try {
-      w.wait(std::max(left, std::chrono::milliseconds(1)));
+      std::optional<CancelHook> hook;
+      if (!work) hook.emplace([&w] { w.abort(); });
+      if (!CancelHook::cancelled_since(generation)) finished = w.wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const c10::Error& e) {
+      if (CancelHook::cancelled_since(generation)) cancelled();
       throw_backend(c10::str("mk ", op, ": rank ", g.rank, ": ", what, " failed: ", e.what_without_backtrace()));
     }
+    if (!finished && CancelHook::cancelled_since(generation)) cancelled();
   };
   if (work) {
     wait(*work, c10::str("exchanging the argument descriptors with the ", g.size - 1, " other ranks"));

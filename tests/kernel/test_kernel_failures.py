@@ -114,6 +114,22 @@ def test_rank_stuck_in_a_collective_gets_out(kernel2):
         kernel2.ok("pass")
 
 
+def test_rank_stuck_in_a_fused_op_on_gloo_gets_out(kernel2):
+    """A fused op waits for a Gloo collective by polling it, and that wait too ends on the interrupt (the rank
+    has loaded the extension, whatever its default backend): KeyboardInterrupt, the pool kept."""
+    kernel2.ok("import datetime\ngloo = dist.new_group(backend='gloo', timeout=datetime.timedelta(seconds=20))\n"
+               "a, b = torch.ones(8, 4), torch.ones(4, 8)\nkept_too = 1")
+    msg_id = kernel2.execute("if rank == 0:\n    mk.gemm_allreduce(a, b, gloo)  # rank 1 never joins")
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    kernel2.km.interrupt_kernel()
+    r = kernel2.collect(msg_id, timeout=60, t0=t0)
+    assert r.status == "error" and r.reply["ename"] == "KeyboardInterrupt", (r.reply["evalue"], r.errors)
+    assert r.reply["evalue"].startswith("[rank 0]"), r.reply["evalue"]
+    assert r.elapsed < 2.5, r.elapsed
+    assert kernel2.ok("kept_too").result == "[ranks 0,1] 1"
+
+
 def test_shutdown_leaves_no_process_and_no_shm(kernel_prefix):
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     k = KernelSession("sk-test-2")

@@ -143,3 +143,20 @@ def test_half_types_widened(transport: str) -> None:
     for family in ("attention", "grad"):
         problems = failures_of(reps, family)
         assert not problems, "\n".join(problems[:20])
+
+
+def test_an_interrupt_ends_the_waits_on_gloo() -> None:
+    """With the peer stopped while the ops run on Gloo, an interrupt (cancel_waits) ends the op's wait at once
+    instead of after the 60 s timeout. The argument agreement is kept off the shared board, so every wait
+    the stop can catch (for the peer's next descriptor, most often, or for a block) is a Gloo send/recv,
+    which only a CancelHook's abort cuts short."""
+    from pathlib import Path
+
+    from tests.transport.world import run_world
+
+    results = run_world(2, str(Path(__file__).with_name("cancel_midway.py")), [], timeout=120,
+                        env={"SUPERKERNEL_OPS_BOARD": "0"})
+    rep = results[0].report()
+    assert rep["error"] is not None, "the op returned although its peer was stopped"
+    assert "cancelled by an interrupt" in rep["error"] and "ring_attention" in rep["error"], rep["error"]
+    assert rep["seconds"] < 5, rep
