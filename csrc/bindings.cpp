@@ -487,7 +487,8 @@ PYBIND11_MODULE(_C, m) {
       "Create an mk backend (torch.distributed calls this through Backend.register_backend).");
 
   m.def("cancel_waits", &mk::cancel_waits,
-        "Make every mk wait in this process fail at once with 'cancelled by an interrupt' (the group is aborted).");
+        "Make every mk wait in this process fail at once with 'cancelled by an interrupt' (the group is aborted), "
+        "and abort the Gloo send/recv works that fused ops are waiting for (transport/cancel_hook.h).");
 
   m.def("eager_call", &mk::kernels::make_eager_call, py::arg("name"), py::arg("overload") = "",
         "A direct entry into the torch.ops operator `name` for eager calls without autograd "

@@ -60,5 +60,6 @@ def collective_runs(group: dist.ProcessGroup | None = None) -> dict[str, int]:
 
 
 def cancel_waits() -> None:
-    """Fail every blocked mk wait in this process now (used by the notebook worker on interrupt)."""
+    """Fail every blocked mk wait in this process now, and the fused ops' waits inside Gloo's send/recv (used
+    by the notebook worker on interrupt, ``superkernel.cell_interrupts``)."""
     _C.cancel_waits()

@@ -302,7 +302,7 @@ class Worker:
                     continue
                 handler(msg)
             except KeyboardInterrupt:
-                continue  # SIGINT during a request that is not a cell (complete, inspect, push, pull)
+                continue  # (SIGINT is ignored outside cells; this is a request's own KeyboardInterrupt)
         self.flush()
         self.pub.stop()
 
