@@ -13,7 +13,6 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
-#include <optional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +22,7 @@
 #include <map>
 #include <tuple>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "kernels/agreement_board.h"
@@ -272,29 +272,28 @@ void Pending::wait() {
         // send/recv and reduce_scatter): wait inside the backend, bounded by the group timeout. On the CPU an
         // interrupt aborts the work (cancel_hook.h: Gloo's send/recv end at once; a work that cannot be
         // aborted, Gloo's reduce_scatter, still ends at the timeout); it also cuts the polling wait below.
-        bool finished = false;
+        const auto fail = [&s](const std::string& why) {
+          if (CancelHook::cancelled_since(s.generation)) throw_backend(cat(s.what, ": cancelled by an interrupt"));
+          throw_backend(cat(s.what, ": ", why));
+        };
+        bool finished = false;  // false: aborted (by an interrupt), or the timeout passed
         try {
           std::optional<CancelHook> hook;
           if (!s.device_wait) hook.emplace([w = s.work.get()] { w->abort(); });
           if (!CancelHook::cancelled_since(s.generation)) finished = s.work->wait(s.timeout);
         } catch (const c10::DistBackendError& e) {
-          if (CancelHook::cancelled_since(s.generation)) throw_backend(cat(s.what, ": cancelled by an interrupt"));
           // (named by the op already, or the backend's own words, e.g. ProcessGroupMK's for a collective it ran
           // on this thread: then they say which op's collective it was)
           const std::string msg = e.what_without_backtrace();
-          if (msg.rfind(s.what.substr(0, s.what.find(':')), 0) == 0) throw;
-          throw_backend(cat(s.what, ": ", msg));
+          if (!CancelHook::cancelled_since(s.generation) && msg.rfind(s.what.substr(0, s.what.find(':')), 0) == 0)
+            throw;
+          fail(msg);
         } catch (const c10::Error& e) {
-          if (CancelHook::cancelled_since(s.generation)) throw_backend(cat(s.what, ": cancelled by an interrupt"));
-          throw_backend(cat(s.what, ": ", e.what_without_backtrace()));
+          fail(e.what_without_backtrace());
         } catch (const std::exception& e) {
-          if (CancelHook::cancelled_since(s.generation)) throw_backend(cat(s.what, ": cancelled by an interrupt"));
-          throw_backend(cat(s.what, ": ", e.what()));
+          fail(e.what());
         }
-        if (!finished) {  // false: aborted (by an interrupt), or the timeout passed
-          if (CancelHook::cancelled_since(s.generation)) throw_backend(cat(s.what, ": cancelled by an interrupt"));
-          throw_backend(cat(s.what, ": timed out after ", s.timeout.count(), " ms"));
-        }
+        if (!finished) fail(cat("timed out after ", s.timeout.count(), " ms"));
         break;
       }
       enum class Stop { none, interrupt, timeout };

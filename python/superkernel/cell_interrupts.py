@@ -26,6 +26,7 @@ from typing import Callable
 # how long the control thread keeps cancelling mk waits for one interrupt that the main thread has not taken
 CANCEL_FOR = 10.0
 CANCEL_EVERY = 0.05
+REMEMBERED = 16  # cell ids kept of each kind (interrupted before arriving, ended)
 
 
 def _mk_cancel() -> Callable[[], None] | None:
@@ -38,12 +39,13 @@ class CellInterrupts:
     """Owned by the worker: the main thread calls :meth:`begin` / :meth:`end` around each cell, the control
     thread calls :meth:`interrupt`."""
 
-    def __init__(self, main_ident: int | None = None, remembered: int = 16) -> None:
-        self.main_ident = main_ident if main_ident is not None else threading.get_ident()
+    def __init__(self) -> None:
+        """Construct it on the main thread: that is the thread SIGINT goes to."""
+        self.main_ident = threading.get_ident()
         self._lock = threading.Lock()
         self.running: str | None = None  # id of the cell the main thread runs now
-        self._early: collections.deque[str] = collections.deque(maxlen=remembered)
-        self._ended: collections.deque[str] = collections.deque(maxlen=remembered)
+        self._early: collections.deque[str] = collections.deque(maxlen=REMEMBERED)
+        self._ended: collections.deque[str] = collections.deque(maxlen=REMEMBERED)
         self.taken = threading.Event()  # the main thread raised KeyboardInterrupt for the last interrupt
         self.signals_ignored = 0  # SIGINTs that arrived between cells
 
