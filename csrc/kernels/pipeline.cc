@@ -269,9 +269,10 @@ void Pending::wait() {
     case State::Kind::work: {
       if (s.device_wait || !s.pollable) {
         // Stream-ordered waits (accelerators), and works whose isCompleted() never turns true (Gloo's
-        // send/recv and reduce_scatter): wait inside the backend, bounded by the group timeout. On the CPU an
-        // interrupt aborts the work (cancel_hook.h: Gloo's send/recv end at once; a work that cannot be
-        // aborted, Gloo's reduce_scatter, still ends at the timeout); it also cuts the polling wait below.
+        // send/recv): wait inside the backend, bounded by the group timeout. On the CPU an interrupt aborts
+        // the work (cancel_hook.h: Gloo's send/recv end at once; a work that cannot be aborted, Gloo's
+        // reduce_scatter, would still end only with the data or at the timeout: the ops use none on the CPU);
+        // it also cuts the polling wait below.
         const auto fail = [&s](const std::string& why) {
           if (CancelHook::cancelled_since(s.generation)) throw_backend(cat(s.what, ": cancelled by an interrupt"));
           throw_backend(cat(s.what, ": ", why));
@@ -939,7 +940,7 @@ Pending Pipeline::p2p(const at::Tensor& t, int peer, uint32_t slot, bool is_recv
   if (g_.is_mk()) {
     auto st = std::make_shared<Pending::State>();
     st->kind = Pending::State::Kind::request;
-    st->what = what;
+    st->what = what.substr(3);  // (Comm::wait puts "mk " before it)
     st->peer = peer;
     st->rank = g_.rank;
     st->timeout = g_.timeout;
@@ -1011,7 +1012,9 @@ Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* 
   st->timeout = g_.timeout;
   st->work = std::move(work);
   st->device_wait = !g_.device.is_cpu();
-  // Only c10d works known to report completion are polled; Gloo's send/recv and reduce_scatter works never do.
+  // Only c10d works known to report completion are polled (allreduce, allgather, alltoall set it); Gloo's
+  // send/recv works never report it (a CancelHook aborts their wait), nor does its reduce_scatter (which the
+  // ops do not use on the CPU: gemm_reducescatter sums there after an alltoall).
   st->pollable = false;
   st->generation = cancel_generation().load();
   st->keep = std::move(keep);
@@ -1167,7 +1170,9 @@ Pending Pipeline::allgather(const at::Tensor& in, const at::Tensor& out) {
     at::Tensor copies = in.reshape({1, -1}).expand({g_.size, in.numel()}).contiguous().view({-1});
     return alltoall(copies, out.view({-1}), {}, {});
   }
-  return backend_work(issue(), cat("mk ", op_, ": allgather").c_str(), -1, {in, out});
+  auto pend = backend_work(issue(), cat("mk ", op_, ": allgather").c_str(), -1, {in, out});
+  pend.set_pollable(true);  // (as alltoall's below)
+  return pend;
 }
 
 Pending Pipeline::alltoall(const at::Tensor& in, const at::Tensor& out, std::vector<int64_t> out_splits,
@@ -1180,7 +1185,14 @@ Pending Pipeline::alltoall(const at::Tensor& in, const at::Tensor& out, std::vec
     return backend->alltoall_base(o, i, os, is, c10d::AllToAllOptions());
   };
   if (g_.is_mk()) return lane_collective(issue, "alltoall", {in, out});
-  return backend_work(issue(), cat("mk ", op_, ": alltoall").c_str(), -1, {in, out});
+  auto pend = backend_work(issue(), cat("mk ", op_, ": alltoall").c_str(), -1, {in, out});
+  // Gloo's alltoall and allgather works complete their future, so the wait below can see an interrupt. Waited
+  // inside Gloo, which cannot abort them, an interrupt went unnoticed until the data had crossed: two namespace
+  // hosts at 100 Mbit/s, 8 MiB a rank, both ranks interrupted 0.4 s into the call: moe_dispatch_gemm raised
+  // 0.35-0.42 s after the interrupt, allgather_gemm 0.55-0.66 s, and gemm_reducescatter (0.5-0.6 s) and
+  // moe_combine (1.0-1.2 s) returned as if never interrupted (tests/ops/interrupt_in_flight.py).
+  pend.set_pollable(true);
+  return pend;
 }
 
 bool Pipeline::tracing() {
