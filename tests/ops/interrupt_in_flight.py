@@ -3,8 +3,10 @@ op, each on a group of its own, is called with operands whose data take seconds 
 ranks are interrupted (superkernel.backend.cancel_waits from another thread, as the notebook worker does on
 every rank) while those data are in flight: after the argument agreement, which is a few hundred bytes, and
 long before the transfer could end. Each call must raise at once, naming its op, instead of finishing the
-transfer or waiting out the group timeout. Prints one REPORT line per rank: per op, the error text (None
-when the call returned), the seconds the call took and the seconds from the interrupt to its end.
+transfer or waiting out the group timeout; once the link is quiet, the same group's next call must give what
+it gave before the interrupt, or fail saying why. Prints one REPORT line per rank: per op, the error text
+(None when the call returned), the seconds the call took, the seconds from the interrupt to its end, and
+whether the next call's result was the same (next_same) or its error (next_error).
 
 Arguments: --backend mk|gloo, --mib (what a rank sends in the interrupted call, about), --after (seconds
 from the call's start to the interrupt), --ops (a comma-separated subset).
@@ -13,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,9 +34,15 @@ OPS = ("allgather_gemm", "gemm_allreduce", "gemm_reducescatter", "moe_dispatch_g
        "ring_attention")
 
 
-def calls(rank: int, world: int, mib: float, group: dist.ProcessGroup) -> dict[str, tuple[Callable, Callable]]:
-    """Per op: (a small call that opens the group's connections, the call to interrupt). Each interrupted call
-    sends about ``mib`` MiB of float32 to the peer and computes little."""
+class Case(NamedTuple):
+    small: Callable[[], Any]  # a small call: opens the group's connections; made again after the interrupt
+    big: Callable[[], Any]  # the call to interrupt
+    prepare: Callable[[], None] = lambda: None  # made uninterrupted before `big`
+
+
+def cases(rank: int, world: int, mib: float, group: dist.ProcessGroup) -> dict[str, Case]:
+    """Per op, its Case. Each interrupted call sends about ``mib`` MiB of float32 to the peer and computes
+    little."""
     elems = int(mib * (1 << 20) / 4)
     g = torch.Generator().manual_seed(rank)
 
@@ -56,28 +66,39 @@ def calls(rank: int, world: int, mib: float, group: dist.ProcessGroup) -> dict[s
     heads = max(1, elems // (2 * s * d))
     q = rand(1, heads, s, d)
     small = rand(4, 8)
+    q_small = small.view(1, 1, 4, 8)
     state: dict[str, torch.Tensor] = {}
 
-    def combine_warm() -> None:
-        _, _, state["handle"] = mk.moe_dispatch_gemm(x[:2], ids[:2], w, group)
-        yy, _, hh = mk.moe_dispatch_gemm(x, ids, w, group)  # the interrupted combine's routing, uninterrupted
-        state["big_handle"], state["y"] = hh, rand(yy.shape[0], h)  # each row [h] goes home to the peer
+    def combine_small() -> torch.Tensor:
+        ys, _, hs = mk.moe_dispatch_gemm(x[:2], ids[:2], w, group)
+        return mk.moe_combine(ys, hs, topw[:2], group)
+
+    def combine_prepare() -> None:  # the interrupted combine's routing, dispatched uninterrupted
+        yy, _, state["handle"] = mk.moe_dispatch_gemm(x, ids, w, group)
+        state["y"] = rand(yy.shape[0], h)  # each row [h] goes home to the peer
 
     return {
-        "allgather_gemm": (lambda: mk.allgather_gemm(small, small.T, group),
-                           lambda: mk.allgather_gemm(a_ag, b_ag, group)),
-        "gemm_allreduce": (lambda: mk.gemm_allreduce(small, small.T, group),
-                           lambda: mk.gemm_allreduce(a_ar, b_ar, group)),
-        "gemm_reducescatter": (lambda: mk.gemm_reducescatter(small, small.T, group),
-                               lambda: mk.gemm_reducescatter(a_rs, b_rs, group)),
-        "moe_dispatch_gemm": (lambda: mk.moe_dispatch_gemm(x[:2], ids[:2], w, group),
-                              lambda: mk.moe_dispatch_gemm(x, ids, w, group)),
-        "moe_combine": (combine_warm,
-                        lambda: mk.moe_combine(state["y"], state["big_handle"], topw, group)),
-        "ring_attention": (lambda: mk.ring_attention(small.view(1, 1, 4, 8), small.view(1, 1, 4, 8),
-                                                     small.view(1, 1, 4, 8), group),
-                           lambda: mk.ring_attention(q, q, q, group)),
+        "allgather_gemm": Case(lambda: mk.allgather_gemm(small, small.T, group),
+                               lambda: mk.allgather_gemm(a_ag, b_ag, group)),
+        "gemm_allreduce": Case(lambda: mk.gemm_allreduce(small, small.T, group),
+                               lambda: mk.gemm_allreduce(a_ar, b_ar, group)),
+        "gemm_reducescatter": Case(lambda: mk.gemm_reducescatter(small, small.T, group),
+                                   lambda: mk.gemm_reducescatter(a_rs, b_rs, group)),
+        "moe_dispatch_gemm": Case(lambda: mk.moe_dispatch_gemm(x[:2], ids[:2], w, group),
+                                  lambda: mk.moe_dispatch_gemm(x, ids, w, group)),
+        "moe_combine": Case(combine_small, lambda: mk.moe_combine(state["y"], state["handle"], topw, group),
+                            combine_prepare),
+        "ring_attention": Case(lambda: mk.ring_attention(q_small, q_small, q_small, group),
+                               lambda: mk.ring_attention(q, q, q, group)),
     }
+
+
+def digest(result: Any) -> str:
+    """The bytes of every tensor of an op's result."""
+    h = hashlib.sha256()
+    for t in result if isinstance(result, tuple) else (result,):
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def settle(ifname: str, quiet: float = 0.15, most: float = 10.0) -> None:
@@ -113,8 +134,9 @@ def main() -> None:
     report: dict = {"rank": rank, "ops": {}}
     for op in args.ops.split(","):
         group = dist.new_group(backend=args.backend, timeout=timeout)
-        warm, call = calls(rank, world, args.mib, group)[op]
-        warm()
+        case = cases(rank, world, args.mib, group)[op]
+        before = digest(case.small())
+        case.prepare()
         dist.barrier()
         interrupted: list[float] = []
 
@@ -126,17 +148,23 @@ def main() -> None:
         t0 = time.monotonic()
         timer.start()
         try:
-            call()
+            case.big()
             error = None
         except RuntimeError as e:
             error = str(e)
         end = time.monotonic()
         timer.cancel()
         timer.join()
-        report["ops"][op] = {"error": error, "seconds": end - t0,
-                             "after_interrupt": end - interrupted[0] if interrupted else None}
+        got: dict = {"error": error, "seconds": end - t0,
+                     "after_interrupt": end - interrupted[0] if interrupted else None}
         settle(os.environ["GLOO_SOCKET_IFNAME"])
         dist.barrier()
+        try:  # the same group's next call: its result as before the interrupt, or an error that says why not
+            got["next_same"] = digest(case.small()) == before
+        except RuntimeError as e:
+            got["next_error"] = str(e)
+        dist.barrier()
+        report["ops"][op] = got
     sys.stdout.write("REPORT " + json.dumps(report) + "\n")
     sys.stdout.flush()
 
