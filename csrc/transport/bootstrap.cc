@@ -73,19 +73,28 @@ std::unique_ptr<Comm> Bootstrap::run(KeyValue& kv, int rank, int size, std::chro
   auto comm = std::make_unique<Comm>(rank, size, timeout);
   const Deadline deadline = Deadline::after(timeout);
 
+  // 0. Which group of this store this is. A group made again under the same store prefix (the default group
+  // after destroy_process_group and init_process_group, under torchrun's agent store, which outlives them)
+  // found the keys of the group before it, and read a peer's old listen address or shared-memory segment
+  // before the peer had replaced it ("rank 0 accepting connections from peers: timed out with 0 of 2
+  // connections"; "cannot open peer 1's segment ... No such file"). Each rank counts its own bootstraps
+  // under the prefix, so the n-th group of every rank reads only the n-th's keys.
+  const std::string at = cat("mk/", kv.add(cat("mk/made/", rank), 1), "/");
+  auto key = [&at](const char* what, int r) { return cat(at, what, "/", r); };
+
   // 1. Who is where.
-  kv.set(cat("mk/host/", rank), cat(host_identity(), "\n", host_name(), "\n", getpid()));
+  kv.set(key("host", rank), cat(host_identity(), "\n", host_name(), "\n", getpid()));
   if (rank == 0) {
     uint8_t secret[32];
     if (getrandom(secret, sizeof(secret), 0) != ssize_t(sizeof(secret))) throw_errno("mk bootstrap: getrandom");
-    kv.set("mk/secret", hex(secret, 32));
+    kv.set(at + "secret", hex(secret, 32));
   }
   for (int r = 0; r < size; ++r) {
-    std::string v = r == rank ? cat(host_identity(), "\n", host_name(), "\n", getpid()) : kv.get(cat("mk/host/", r));
+    std::string v = r == rank ? cat(host_identity(), "\n", host_name(), "\n", getpid()) : kv.get(key("host", r));
     auto a = v.find('\n'), b = v.rfind('\n');
     comm->peers_[size_t(r)] = PeerInfo{v.substr(0, a), v.substr(a + 1, b - a - 1), std::atoi(v.c_str() + b + 1)};
   }
-  const Secret secret = unhex(kv.get("mk/secret"));
+  const Secret secret = unhex(kv.get(at + "secret"));
   std::vector<int> locals, remotes;
   for (int r = 0; r < size; ++r)
     (comm->peers_[size_t(r)].host_id == comm->peers_[size_t(rank)].host_id ? locals : remotes).push_back(r);
@@ -103,24 +112,24 @@ std::unique_ptr<Comm> Bootstrap::run(KeyValue& kv, int rank, int size, std::chro
   std::unique_ptr<TcpListener> listener;
   if (use_shm) {
     comm->shm_ = std::make_unique<ShmProvider>(rank, locals, comm->matcher_, opt.shm);
-    kv.set(cat("mk/shm/", rank), comm->shm_->descriptor());
+    kv.set(key("shm", rank), comm->shm_->descriptor());
   }
   if (!tcp_peers.empty()) {
     listener = std::make_unique<TcpListener>(listen_address(/*loopback_only=*/remotes.empty(), opt.ifname));
-    kv.set(cat("mk/tcp/", rank), listener->address());
+    kv.set(key("tcp", rank), listener->address());
   }
 
   // 3. Connect.
   if (use_shm) {
     std::vector<std::string> descs;
-    for (int r : locals) descs.push_back(r == rank ? std::string() : kv.get(cat("mk/shm/", r)));
+    for (int r : locals) descs.push_back(r == rank ? std::string() : kv.get(key("shm", r)));
     comm->shm_->attach(descs, deadline);
     for (int r : locals)
       if (r != rank) comm->route_[size_t(r)] = comm->shm_.get();
   }
   if (!tcp_peers.empty()) {
     std::vector<std::string> addrs(static_cast<size_t>(size));
-    for (int r : tcp_peers) addrs[size_t(r)] = kv.get(cat("mk/tcp/", r));
+    for (int r : tcp_peers) addrs[size_t(r)] = kv.get(key("tcp", r));
     // Test hook: hold back the connecting side so a test can knock on the listener first.
     if (const char* d = std::getenv("SUPERKERNEL_TEST_CONNECT_DELAY_MS"); d && *d)
       std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(d)));

@@ -3,6 +3,7 @@
 // addresses as needed, and share a random job secret that every TCP connection must present.
 #pragma once
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -16,6 +17,8 @@ class KeyValue {
   virtual void set(const std::string& key, const std::string& value) = 0;
   // Blocks until the key exists (within the store's own timeout).
   virtual std::string get(const std::string& key) = 0;
+  // Adds `delta` to the integer at `key` (0 when absent) and returns the sum, atomically.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
 };
 
 struct BootstrapOptions {

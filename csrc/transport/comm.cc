@@ -23,7 +23,8 @@ const char* Comm::transport_of(int peer) const {
 void Comm::check_usable(const char* op) const {
   if (aborted_.load())
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": the communicator was aborted earlier (", abort_reason(),
-                        "); create a new process group"));
+                        "); create a new process group (the default group: dist.destroy_process_group(), then "
+                        "dist.init_process_group())"));
 }
 
 std::string Comm::abort_reason() const {

@@ -25,6 +25,7 @@ class StoreKV final : public KeyValue {
     auto v = store_->get(key);
     return std::string(v.begin(), v.end());
   }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

@@ -7,6 +7,7 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from conftest import KernelSession, connection_files, pool_processes
 
@@ -128,6 +129,28 @@ def test_rank_stuck_in_a_fused_op_on_gloo_gets_out(kernel2):
     assert r.reply["evalue"].startswith("[rank 0]"), r.reply["evalue"]
     assert r.elapsed < 2.5, r.elapsed
     assert kernel2.ok("kept_too").result == "[ranks 0,1] 1"
+
+
+def test_an_mk_group_aborted_by_an_interrupt_is_made_again(kernel2):
+    """An interrupt that ends a fused op inside its waits aborts the mk communicator (the peers' messages are
+    torn); the next call says so on every rank and how to get a group back, and doing so works, the namespace
+    kept. Making the default group again under the pool's torchrun store failed before the bootstrap's keys
+    were counted per group (tests/transport/test_reinit.py)."""
+    if "mk" not in (kernel2.ok("%%rank 0\ndist.get_backend()").result or ""):
+        pytest.skip("the pool's default group is not mk")
+    kernel2.ok("kept_here = 2\nt = torch.ones(4, 4)")
+    msg_id = kernel2.execute("if rank == 0:\n    mk.gemm_allreduce(t, t)  # rank 1 never joins")
+    time.sleep(1.0)
+    kernel2.km.interrupt_kernel()
+    r = kernel2.collect(msg_id, timeout=30)
+    assert r.status == "error" and r.reply["ename"] == "KeyboardInterrupt", (r.reply, r.errors)
+    r = kernel2.collect(kernel2.execute("mk.gemm_allreduce(t, t)"), timeout=60)
+    text = r.reply["evalue"] + "\n".join("\n".join(e["traceback"]) for e in r.errors)
+    assert r.status == "error" and "aborted earlier" in text, text
+    assert "dist.destroy_process_group(), then dist.init_process_group()" in text, text
+    r = kernel2.ok("dist.destroy_process_group()\ndist.init_process_group('mk')\n"
+                   "print(mk.gemm_allreduce(t, t).sum().item(), kept_here)", timeout=120)
+    assert r.stream() == "[ranks 0,1] 128.0 2\n", r.stream()
 
 
 def test_shutdown_leaves_no_process_and_no_shm(kernel_prefix):
