@@ -112,7 +112,7 @@ case "$cmd" in
       (sanitize_env && python -m pytest -q tests/transport/test_failures.py tests/transport/test_collectives.py \
           tests/memory/test_window.py tests/memory/test_tensor_store.py tests/memory/test_store_worker.py \
           tests/ops/test_gemm_ops.py tests/ops/test_moe.py tests/ops/test_ring_attention.py tests/transport/test_copy.py \
-          tests/ops/test_agreement_board.py tests/ops/test_packed_gemm.py \
+          tests/ops/test_agreement_board.py tests/ops/test_packed_gemm.py tests/transport/test_reinit.py \
           -k "failures or 2ranks or copies_exactly or lock_holder or store_worker or small_staging or board or packed")
       rc=$?
       set -e

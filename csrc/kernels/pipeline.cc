@@ -254,6 +254,9 @@ void Pending::wait() {
   switch (s.kind) {
     case State::Kind::request: {
       try {
+        // (an interrupt since the call began, while it computed: the request's own wait would not see it)
+        if (CancelHook::cancelled_since(s.generation) && !s.req->test())
+          throw CancelledError(cat("mk ", s.what, ": rank ", s.rank, ", peer ", s.peer, ": cancelled by an interrupt"));
         s.comm->wait(s.req, dl, s.what.c_str(), s.peer);
       } catch (const MismatchError& e) {
         throw_backend(e.what());
@@ -387,7 +390,8 @@ Lane& lane_of(const Group& g) {
 
 // ---------------------------------------------------------------- Pipeline
 
-Pipeline::Pipeline(const Group& g, const char* op) : g_(g), op_(op), started_(Clock::now()) {
+Pipeline::Pipeline(const Group& g, const char* op)
+    : g_(g), op_(op), started_(Clock::now()), generation_(cancel_generation().load(std::memory_order_acquire)) {
   std::vector<std::unique_ptr<Lane>> retired;
   {
     std::lock_guard<std::mutex> lock(states_mu());
@@ -946,7 +950,7 @@ Pending Pipeline::p2p(const at::Tensor& t, int peer, uint32_t slot, bool is_recv
     st->timeout = g_.timeout;
     st->comm = &g_.comm();
     st->is_recv = is_recv;
-    st->generation = cancel_generation().load();
+    st->generation = generation_;
     st->keep = {t};
     // bit 61: fused-op data (bits 20-59 the call number, 0-19 the slot); group.cc lists the other tag spaces
     const uint64_t tag = (1ull << 61) | ((seq_ & 0xffffffffffull) << 20) | slot;
@@ -1016,7 +1020,7 @@ Pending Pipeline::backend_work(c10::intrusive_ptr<c10d::Work> work, const char* 
   // send/recv works never report it (a CancelHook aborts their wait), nor does its reduce_scatter (which the
   // ops do not use on the CPU: gemm_reducescatter sums there after an alltoall).
   st->pollable = false;
-  st->generation = cancel_generation().load();
+  st->generation = generation_;
   st->keep = std::move(keep);
   return Pending(std::move(st));
 }
@@ -1041,7 +1045,7 @@ Pending Pipeline::lane_collective(std::function<c10::intrusive_ptr<c10d::Work>()
   st->what = cat("mk ", op_, ": rank ", g_.rank, ": ", what);
   st->rank = g_.rank;
   st->timeout = g_.timeout;
-  st->generation = cancel_generation().load();
+  st->generation = generation_;
   size_t bytes = 0;
   for (auto& t : keep) bytes += nbytes(t);
   st->keep = std::move(keep);

@@ -14,7 +14,8 @@
 // itself), so this file needs no CUDA headers.
 //
 // Waits honour the group timeout and the process-wide cancel generation (superkernel's interrupt,
-// mk::cancel_all): every wait that started before an interrupt fails with an error naming rank, op and peer.
+// mk::cancel_all): every wait of a call that began before an interrupt fails with an error naming rank, op and
+// peer.
 // A transport failure (timeout, peer gone, interrupt) aborts the mk communicator as ProcessGroupMK does.
 //
 // Usage (an op in outline):
@@ -410,6 +411,10 @@ class Pipeline {
   const char* op_;
   uint64_t seq_;
   std::chrono::steady_clock::time_point started_;
+  // The cancel generation when the call began: every wait of the call stops on an interrupt after that, also
+  // one that came while the call computed between two waits (a wait that went by its own start missed it, and
+  // the call ran to its end: under ASan, mk's gemm_allreduce ring between two hosts, interrupted once).
+  uint64_t generation_;
   Tuner* tuner_ = nullptr;  // set by chunks() for automatic counts; owned by the group's state
   int64_t chunks_used_ = 0;
   void fold_veto();  // start_agree on an armed group, for a call that does not ride

@@ -453,6 +453,7 @@ void ShmProvider::wake_progress() {
 bool ShmProvider::drain_ring(int j) {
   std::unique_lock<std::mutex> drainer(in_[j]->mu, std::try_to_lock);
   if (!drainer.owns_lock()) return false;  // another thread is draining this ring right now
+  if (aborted_.load(std::memory_order_acquire)) return false;  // (the receives' buffers may be gone: see abort)
   RingHeader* rh = own_->ring_header(j);
   char* data = own_->ring_data(j);
   const size_t cap = opt_.ring;
@@ -582,6 +583,12 @@ void ShmProvider::abort(const std::string& why) {
   futex_wake_all(&c->step_word);
   for (int j = 0; j < local_size(); ++j)
     if (j != me_) fail_peer(j, cat("rank ", rank_, ": communicator aborted: ", why));
+  // A drain under way copies into a receive's buffer (the progress thread's, or a waiting thread's): it ends
+  // before abort returns, and none starts after (drain_ring checks aborted_), so the owner of a failed receive
+  // may free its buffer (fail_peer already waited for a send being copied into a ring, under out_[j]->mu).
+  // An op interrupted mid-transfer freed a buffer the progress thread was still filling (ASan).
+  for (int j = 0; j < local_size(); ++j)
+    if (j != me_) std::lock_guard<std::mutex> drained(in_[size_t(j)]->mu);
 }
 
 bool ShmProvider::peer_alive(int peer) const {

@@ -458,6 +458,25 @@ void TcpProvider::progress_loop() {
       abort(cat("mk tcp: rank ", rank_, ": progress thread failed"));
       return;
     }
+    std::lock_guard<std::mutex> pass(pass_mu_);
+    if (aborted_.load(std::memory_order_acquire)) {
+      // Nothing is read or sent any more (the requests' buffers may be gone); the shut-down sockets, still
+      // readable, leave epoll so that only the wake-up and stop_ remain.
+      uint64_t v;
+      while (::read(wakefd_, &v, sizeof(v)) > 0) {
+      }
+      if (!unwatched_) {
+        for (auto& p : peers_)
+          if (p && p->alive.load())
+            for (auto& c : p->conns)
+              if (c && !c->closed) {
+                c->closed = true;
+                unwatch(*c);
+              }
+        unwatched_ = true;
+      }
+      continue;
+    }
     for (int i = 0; i < n; ++i) {
       if (evs[i].data.ptr == nullptr) {
         uint64_t v;
@@ -633,10 +652,16 @@ void TcpProvider::peer_failed(int peer, const std::string& why) {
 }
 
 void TcpProvider::abort(const std::string& why) {
+  aborted_.store(true, std::memory_order_release);
   for (auto& p : peers_)
     if (p)
       for (auto& c : p->conns)
         if (c && c->fd >= 0) ::shutdown(c->fd, SHUT_RDWR);
+  uint64_t one = 1;
+  if (wakefd_ >= 0) (void)!::write(wakefd_, &one, sizeof(one));
+  // The batch of events the progress thread handles now ends before this returns (see pass_mu_); on the
+  // progress thread itself there is none.
+  if (std::this_thread::get_id() != progress_.get_id()) std::lock_guard<std::mutex> passed(pass_mu_);
   (void)why;
 }
 

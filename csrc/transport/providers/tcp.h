@@ -120,6 +120,12 @@ class TcpProvider final : public Provider {
   std::map<uint64_t, std::unique_ptr<Pending>> pending_;  // by operation id
   uint64_t next_op_ = 1;
   std::atomic<bool> stop_{false};
+  // Held by the progress thread while it handles one batch of events, the only time it reads or writes the
+  // buffers of requests; abort() sets aborted_ and then takes it, so once abort returned the buffers of the
+  // requests it failed are not touched any more and their owners may free them.
+  std::mutex pass_mu_;
+  std::atomic<bool> aborted_{false};
+  bool unwatched_ = false;  // (progress thread, pass_mu_) the sockets were taken out of epoll after the abort
   std::thread progress_;
 };
 
