@@ -74,15 +74,20 @@ void Comm::poll(int peer) {
 }
 
 void Comm::abort(const std::string& why) {
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(abort_mu_);
-    if (aborted_.load()) return;
-    abort_reason_ = why;
-    aborted_.store(true);
+    if (!aborted_.load()) {
+      abort_reason_ = why;
+      aborted_.store(true);
+      first = true;
+    }
   }
+  // (again on a later call too: the providers' aborts return once no progress thread copies into a buffer of
+  // a request they failed, which a later caller, on another thread, must also wait for before it frees its own)
   if (shm_) shm_->abort(why);
   if (tcp_) tcp_->abort(why);
-  matcher_.fail_all(cat("rank ", rank_, ": communicator aborted: ", why));
+  if (first) matcher_.fail_all(cat("rank ", rank_, ": communicator aborted: ", why));
 }
 
 }  // namespace mk

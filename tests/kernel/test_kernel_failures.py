@@ -110,6 +110,14 @@ def test_rank_stuck_in_a_collective_gets_out(kernel2):
         assert r.reply["ename"] == "KeyboardInterrupt" and r.reply["evalue"].startswith("[rank 0]")
         assert r.elapsed < 2.5
         assert kernel2.ok("kept").result == "[ranks 0,1] 1"
+        # the interrupt ended rank 0's wait inside the collective: its communicator is aborted, says so, and the
+        # default group made again works (the tests after this one start from a working group)
+        r = kernel2.collect(kernel2.execute("dist.all_reduce(torch.ones(1))"), timeout=60)
+        text = r.reply["evalue"] + "\n".join("\n".join(e["traceback"]) for e in r.errors)
+        assert r.status == "error" and "aborted earlier" in text, text
+        r = kernel2.ok("dist.destroy_process_group()\ndist.init_process_group('mk')\nx = torch.ones(1)\n"
+                       "dist.all_reduce(x)\nprint(x.item(), kept)", timeout=120)
+        assert r.stream() == "[ranks 0,1] 2.0 1\n", r.stream()
     else:
         assert "rank 0 did not honour the interrupt" in r.reply["evalue"] + "\n".join(r.errors[0]["traceback"])
         kernel2.ok("pass")
@@ -138,7 +146,7 @@ def test_an_mk_group_aborted_by_an_interrupt_is_made_again(kernel2):
     were counted per group (tests/transport/test_reinit.py)."""
     if "mk" not in (kernel2.ok("%%rank 0\ndist.get_backend()").result or ""):
         pytest.skip("the pool's default group is not mk")
-    kernel2.ok("kept_here = 2\nt = torch.ones(4, 4)")
+    kernel2.ok("kept_here = 2\nt = torch.ones(4, 4)\nmk.gemm_allreduce(t, t)")  # (a working group to start from)
     msg_id = kernel2.execute("if rank == 0:\n    mk.gemm_allreduce(t, t)  # rank 1 never joins")
     time.sleep(1.0)
     kernel2.km.interrupt_kernel()

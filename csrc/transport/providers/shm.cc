@@ -173,6 +173,12 @@ struct InState {
   size_t got = 0;
 };
 
+namespace {
+// The ring this thread drains now (drain_ring), if any: an abort called from a completion the drain delivers
+// must not wait for that drain, its own caller's.
+thread_local const InState* tls_draining = nullptr;
+}  // namespace
+
 ShmProvider::ShmProvider(int rank, const std::vector<int>& locals, Matcher& matcher, const ShmOptions& opt)
     : rank_(rank), locals_(locals), matcher_(matcher), opt_(opt), alive_(locals.size()) {
   if (opt_.slots < 2 || opt_.slots > kMaxSlots)
@@ -454,6 +460,11 @@ bool ShmProvider::drain_ring(int j) {
   std::unique_lock<std::mutex> drainer(in_[j]->mu, std::try_to_lock);
   if (!drainer.owns_lock()) return false;  // another thread is draining this ring right now
   if (aborted_.load(std::memory_order_acquire)) return false;  // (the receives' buffers may be gone: see abort)
+  struct Draining {  // (see abort)
+    const InState* before = tls_draining;
+    explicit Draining(const InState* s) { tls_draining = s; }
+    ~Draining() { tls_draining = before; }
+  } draining(in_[j].get());
   RingHeader* rh = own_->ring_header(j);
   char* data = own_->ring_data(j);
   const size_t cap = opt_.ring;
@@ -571,24 +582,30 @@ void ShmProvider::fail_peer(int j, const std::string& why) {
 }
 
 void ShmProvider::abort(const std::string& why) {
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(abort_mu_);
-    if (aborted_.load()) return;
-    abort_reason_ = why;
-    aborted_.store(true);
+    if (!aborted_.load()) {
+      abort_reason_ = why;
+      aborted_.store(true);
+      first = true;
+    }
   }
-  Control* c = own_->control();
-  c->aborted.store(1);
-  c->step_word.fetch_add(1);
-  futex_wake_all(&c->step_word);
-  for (int j = 0; j < local_size(); ++j)
-    if (j != me_) fail_peer(j, cat("rank ", rank_, ": communicator aborted: ", why));
+  if (first) {
+    Control* c = own_->control();
+    c->aborted.store(1);
+    c->step_word.fetch_add(1);
+    futex_wake_all(&c->step_word);
+    for (int j = 0; j < local_size(); ++j)
+      if (j != me_) fail_peer(j, cat("rank ", rank_, ": communicator aborted: ", why));
+  }
   // A drain under way copies into a receive's buffer (the progress thread's, or a waiting thread's): it ends
-  // before abort returns, and none starts after (drain_ring checks aborted_), so the owner of a failed receive
-  // may free its buffer (fail_peer already waited for a send being copied into a ring, under out_[j]->mu).
-  // An op interrupted mid-transfer freed a buffer the progress thread was still filling (ASan).
+  // before abort returns, on every call, and none starts after (drain_ring checks aborted_), so the owner of a
+  // failed receive may free its buffer (fail_peer already waited for a send being copied into a ring, under
+  // out_[j]->mu). An op interrupted mid-transfer freed a buffer the progress thread was still filling (ASan).
+  // (Not on a thread that drains now, from a completion it delivers: that drain is its own caller's.)
   for (int j = 0; j < local_size(); ++j)
-    if (j != me_) std::lock_guard<std::mutex> drained(in_[size_t(j)]->mu);
+    if (j != me_ && tls_draining != in_[size_t(j)].get()) std::lock_guard<std::mutex> drained(in_[size_t(j)]->mu);
 }
 
 bool ShmProvider::peer_alive(int peer) const {
