@@ -460,21 +460,13 @@ void TcpProvider::progress_loop() {
     }
     std::lock_guard<std::mutex> pass(pass_mu_);
     if (aborted_.load(std::memory_order_acquire)) {
-      // Nothing is read or sent any more (the requests' buffers may be gone); the shut-down sockets, still
-      // readable, leave epoll so that only the wake-up and stop_ remain.
+      // Nothing is read or sent any more (the requests' buffers may be gone): every peer fails (its sockets
+      // leave epoll, its sends and one-sided operations fail) unless abort() did that already, and only the
+      // wake-up and stop_ remain.
       uint64_t v;
       while (::read(wakefd_, &v, sizeof(v)) > 0) {
       }
-      if (!unwatched_) {
-        for (auto& p : peers_)
-          if (p && p->alive.load())
-            for (auto& c : p->conns)
-              if (c && !c->closed) {
-                c->closed = true;
-                unwatch(*c);
-              }
-        unwatched_ = true;
-      }
+      fail_every_peer();
       continue;
     }
     for (int i = 0; i < n; ++i) {
@@ -659,10 +651,20 @@ void TcpProvider::abort(const std::string& why) {
         if (c && c->fd >= 0) ::shutdown(c->fd, SHUT_RDWR);
   uint64_t one = 1;
   if (wakefd_ >= 0) (void)!::write(wakefd_, &one, sizeof(one));
-  // The batch of events the progress thread handles now ends before this returns (see pass_mu_); on the
-  // progress thread itself there is none.
-  if (std::this_thread::get_id() != progress_.get_id()) std::lock_guard<std::mutex> passed(pass_mu_);
+  // The batch of events the progress thread handles now ends before this returns (see pass_mu_), then every
+  // peer fails here, so that waiters on one-sided operations hear of it at once (the progress thread reads no
+  // more, so it no longer finds the sockets closed). On the progress thread itself (from inside a batch, or
+  // between batches), its next turn of the loop does that.
+  if (std::this_thread::get_id() != progress_.get_id()) {
+    std::lock_guard<std::mutex> passed(pass_mu_);
+    fail_every_peer();
+  }
   (void)why;
+}
+
+void TcpProvider::fail_every_peer() {
+  for (int peer = 0; peer < world_; ++peer)
+    if (peers_[size_t(peer)] && peers_[size_t(peer)]->alive.load()) peer_failed(peer, "the communicator was aborted");
 }
 
 bool TcpProvider::peer_alive(int peer) const {

@@ -105,6 +105,8 @@ class TcpProvider final : public Provider {
   // Progress thread: the peer closed connection c between frames (end of file).
   void conn_closed(Conn& c);
   void peer_failed(int peer, const std::string& why);
+  // After an abort (pass_mu_ held, or on the progress thread between batches): peer_failed for every live peer.
+  void fail_every_peer();
 
   const int rank_;
   const int world_;
@@ -125,7 +127,6 @@ class TcpProvider final : public Provider {
   // requests it failed are not touched any more and their owners may free them.
   std::mutex pass_mu_;
   std::atomic<bool> aborted_{false};
-  bool unwatched_ = false;  // (progress thread, pass_mu_) the sockets were taken out of epoll after the abort
   std::thread progress_;
 };
 
