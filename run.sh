@@ -106,16 +106,16 @@ case "$cmd" in
     if [ $# -eq 0 ]; then
       # The whole suite also re-runs the transport's failure paths, the 2-rank collectives, windows, the tensor
       # store (its allocator, its Store worker), fused ops, their agreement board, the packed GEMM, the window
-      # copies, the default group made again and the ops interrupted mid-transfer on mk between two hosts against
-      # an ASan+UBSan build (the full sanitizer run is `bash run.sh sanitize`).
+      # copies, the default group made again, the ops and the window waits interrupted (or aborted) mid-transfer on
+      # mk between two hosts against an ASan+UBSan build (the full sanitizer run is `bash run.sh sanitize`).
       log "sanitizer pass: transport tests against an ASan+UBSan build"
       set +e
       (sanitize_env && python -m pytest -q tests/transport/test_failures.py tests/transport/test_collectives.py \
           tests/memory/test_window.py tests/memory/test_tensor_store.py tests/memory/test_store_worker.py \
           tests/ops/test_gemm_ops.py tests/ops/test_moe.py tests/ops/test_ring_attention.py tests/transport/test_copy.py \
           tests/ops/test_agreement_board.py tests/ops/test_packed_gemm.py tests/transport/test_reinit.py \
-          tests/ops/test_interrupt_in_flight.py \
-          -k "failures or 2ranks or copies_exactly or lock_holder or store_worker or small_staging or board or packed or (mid_transfer and mk)")
+          tests/ops/test_interrupt_in_flight.py tests/memory/test_window_interrupt.py \
+          -k "failures or 2ranks or copies_exactly or lock_holder or store_worker or small_staging or board or packed or (mid_transfer and mk) or ends_the_wait or abort_ends")
       rc=$?
       set -e
       if [ $rc -eq 5 ]; then log "sanitizer pass collected no tests: failing"; exit 1; fi

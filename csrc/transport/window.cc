@@ -428,9 +428,18 @@ void Window::wait_notify(uint64_t tag, const Deadline& d) {
 
 void Window::free(const Deadline& d) {
   if (freed_.load()) return;
-  flush_all(d);
   const uint64_t me = uint64_t(comm_.rank());
-  exchange(1, &me, sizeof(me), d, "free");
+  try {
+    flush_all(d);
+    exchange(1, &me, sizeof(me), d, "free");
+  } catch (const PeerError& e) {
+    // An aborted communicator or a lost rank: no later free could complete the collective, and no peer can
+    // reach the block any more, so it is released here (a timeout, with every peer alive, leaves the window
+    // for free to be called again).
+    release();
+    throw PeerError(cat("mk window #", id_, " free: rank ", me, ": released on this rank, but not every rank "
+                        "could be told (", e.what(), ")"));
+  }
   release();
 }
 

@@ -37,6 +37,12 @@ Semantics follow MPI-3 passive-target RMA (``MPI_Win_lock_all`` epochs) and Open
   non-CPU tensor or a non-contiguous ``out``: ``ValueError``; a wait past its deadline: ``TimeoutError``; the target
   process died or the group was aborted: ``PeerError`` (a ``RuntimeError``) naming window, op and rank; an
   interrupt (``superkernel.backend.cancel_waits``): ``CancelledError``.
+* **Interrupts and aborts.** An interrupt ends the *wait*, not the operation: a get or put whose data are
+  still crossing carries on, ``out`` is written (or ``src`` read) until it completes, ``flush(rank)`` waits
+  for that, and the window stays usable. Aborting the group (``group.abort()``, or a collective on it that
+  was interrupted or lost a peer) fails every outstanding operation at once with ``PeerError``; nothing
+  writes into their buffers afterwards, the peers waiting on this rank hear of it, ``free()`` releases the
+  block at once and raises ``PeerError`` (not every rank could be told), and a new group is needed (tests/memory/test_window_interrupt.py, two hosts over 100 Mbit/s).
 
 The window needs the ``mk`` backend (``dist.init_process_group("mk")`` or ``"cpu:mk,..."``); ranks are ranks
 of ``group`` (a subgroup made with ``dist.new_group(..., backend="mk")`` works, with its own numbering).
@@ -209,7 +215,9 @@ class Window:
 
     def free(self, timeout: float | None = None) -> None:
         """Collective: complete this rank's operations, wait for every rank, stop exposing the block.
-        Calling it again on a freed window does nothing."""
+        Calling it again on a freed window does nothing. A ``TimeoutError`` leaves the window exposed (call
+        free again); when the group was aborted or a rank is gone, the block is released here all the same
+        and ``PeerError`` says that not every rank could be told."""
         self._impl.free(timeout)
 
     def __enter__(self) -> "Window":
