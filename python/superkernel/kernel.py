@@ -38,6 +38,8 @@ from superkernel.pool import Death, Pool, PoolSpec, PoolStartError, default_nran
 from superkernel.protocol import Event
 
 REQUEST_TIMEOUT = 5.0
+# run on every rank (no name left in the namespace) when a cell's replies say its default group is aborted
+REMAKE_DEFAULT_GROUP = '__import__("superkernel.default_group", fromlist=["remake"]).remake()'
 
 
 @dataclass
@@ -339,7 +341,8 @@ class SuperKernel(IPythonKernel):
                                         user_expressions or {}, parent, count)
 
     async def _run_on_ranks(self, pool: Pool, ranks: list[int], code: str, silent: bool, store_history: bool,
-                            user_expressions: dict[str, Any], parent: dict[str, Any], count: int) -> dict[str, Any]:
+                            user_expressions: dict[str, Any], parent: dict[str, Any], count: int,
+                            remake: bool = True) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         msg_id = uuid.uuid4().hex
         cell = CellRun(ranks=ranks, parent=parent, msg_id=msg_id, loop=loop, done=asyncio.Event(),
@@ -375,7 +378,13 @@ class SuperKernel(IPythonKernel):
                 cell.finished = True
                 self._publish_ready(cell, final=True)
                 self._cell = None
-        return self._finish_cell(cell, count, silent)
+        reply = self._finish_cell(cell, count, silent)
+        if remake and not cell.deaths and any(rep.get("mk_aborted") for rep in cell.replies.values()):
+            # an interrupt aborted the default group's mk communicator on some rank: every rank makes it
+            # again (superkernel.default_group), its note in this cell's output
+            await self._run_on_ranks(pool, list(range(pool.world_size)), REMAKE_DEFAULT_GROUP, True, False, {},
+                                     parent, count, remake=False)
+        return reply
 
     def _finish_cell(self, cell: CellRun, count: int, silent: bool) -> dict[str, Any]:
         parent = cell.parent

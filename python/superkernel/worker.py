@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from superkernel import default_group
 from superkernel.cell_interrupts import CellInterrupts
 from superkernel.protocol import ConnectionInfo, WorkerChannels
 
@@ -114,6 +115,7 @@ def init_torch(rank: int, world_size: int, local_rank: int) -> dict[str, Any]:
     rendezvous_env()
     timeout = timedelta(seconds=float(os.environ.get("SUPERKERNEL_DIST_TIMEOUT", "1800")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    default_group.remember(default_group.InitArgs(backend, rank, world_size, timeout))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -360,6 +362,10 @@ class Worker:
             reply["user_expressions"] = shell.user_expressions(c.get("user_expressions") or {})
         reply["payload"] = shell.payload_manager.read_payload()
         shell.payload_manager.clear_payload()
+        try:  # the kernel makes the default group again on every rank when one says it is aborted
+            reply["mk_aborted"] = default_group.aborted_reason()
+        except Exception as e:  # (a half-destroyed group): reported, not fatal
+            log.warning("rank %d: the default group's state: %s", self.rank, e)
         self.send("execute_reply", reply, msg)
 
     def do_complete(self, msg: dict[str, Any]) -> None:
