@@ -1,12 +1,14 @@
-"""The rank's default process group as the worker made it, and making it again after an interrupt aborted it.
+"""The rank's default process group as the worker made it, and making it again once it was aborted.
 
 An interrupt that ends a wait inside an mk collective or fused op aborts that group's communicator (its
-peers' messages are torn, so it cannot go on). Each rank reports, with every cell's reply, whether its
-default group is aborted (``aborted_reason``); when any rank does, the kernel runs ``remake`` on every rank,
-which destroys the default group and initialises it again with the worker's own arguments, the namespace
-kept. That destroys every other process group too (torch.distributed has no way to destroy only the default
-one), so when the user made groups of their own (``dist.new_group``) it is left alone and the note says how to
-make it again by hand (``remake(force=True)`` on every rank, then the new_group calls again). Objects bound to the aborted group (windows, tensor stores) stay aborted either way.
+peers' messages are torn, so it cannot go on); so do a timeout and a lost peer. Each rank reports, with
+every cell's reply, whether its default group is aborted (``aborted_reason``); when any rank does and none
+died, the kernel runs ``remake`` on every rank, which destroys the default group and initialises it again
+with the worker's own arguments, the namespace kept. That destroys every other process group too
+(torch.distributed has no way to destroy only the default one), so when the user made groups of their own
+(``dist.new_group``) it is left alone and the note says how to make it again by hand (``remake(force=True)``
+on every rank, then the new_group calls again). Objects bound to the aborted group (windows, tensor stores)
+stay aborted either way.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
-NOTE = "[superkernel] the interrupt aborted the default group's mk communicator"
+NOTE = "[superkernel] the default group's mk communicator was aborted (by an interrupt, a timeout or a lost peer)"
 
 
 @dataclass(frozen=True)
@@ -90,5 +92,5 @@ def remake(force: bool = False) -> None:
     else:
         store = dist.PrefixStore(f"superkernel/default_group/{_remakes}/", base)
         dist.init_process_group(a.backend, store=store, rank=a.rank, world_size=a.world_size, timeout=a.timeout)
-    said = f"{NOTE}; the default group was made again" if not force else "[superkernel] the default group was made again"
+    said = "[superkernel] the default group was made again" if force else f"{NOTE}; the default group was made again"
     print(f"{said} (windows and tensor stores made on the old one stay aborted).", file=sys.stderr, flush=True)

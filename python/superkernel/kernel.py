@@ -380,7 +380,7 @@ class SuperKernel(IPythonKernel):
                 self._cell = None
         reply = self._finish_cell(cell, count, silent)
         if remake and not cell.deaths and any(rep.get("mk_aborted") for rep in cell.replies.values()):
-            # an interrupt aborted the default group's mk communicator on some rank: every rank makes it
+            # the default group's mk communicator was aborted on some rank (an interrupt): every rank makes it
             # again (superkernel.default_group), its note in this cell's output
             await self._run_on_ranks(pool, list(range(pool.world_size)), REMAKE_DEFAULT_GROUP, True, False, {},
                                      parent, count, remake=False)

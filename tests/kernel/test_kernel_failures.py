@@ -142,8 +142,9 @@ def test_rank_stuck_in_a_fused_op_on_gloo_gets_out(kernel2):
 def test_an_mk_group_aborted_by_an_interrupt_is_made_again(kernel2):
     """An interrupt that ends a fused op inside its waits aborts the mk communicator (the peers' messages are
     torn): the kernel makes the default group again on every rank, the namespace kept, and says so once; a
-    window made on the old group stays aborted on the rank whose communicator was aborted. Making the default group again under the pool's
-    torchrun store failed before the bootstrap's keys were counted per group (tests/transport/test_reinit.py)."""
+    window made on the old group stays aborted on the rank whose communicator was aborted. Making the default
+    group again under the pool's torchrun store failed before the bootstrap's keys were counted per group
+    (tests/transport/test_reinit.py)."""
     if "mk" not in (kernel2.ok("%%rank 0\ndist.get_backend()").result or ""):
         pytest.skip("the pool's default group is not mk")
     # (only the default group: the earlier tests' groups go)
