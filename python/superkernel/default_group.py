@@ -79,8 +79,8 @@ def remake(force: bool = False) -> None:
         others = len(dist.distributed_c10d._world.pg_map) - 1
         if others and not force:
             print(f"{NOTE}; it was left so: {others} other process group(s) made with dist.new_group would go "
-                  "with it. To make it again and destroy those, on every rank: "
-                  "superkernel.default_group.remake(force=True), then your new_group calls.",
+                  "with it. To make it again and destroy those, on every rank: from superkernel import "
+                  "default_group; default_group.remake(force=True), then your new_group calls.",
                   file=sys.stderr, flush=True)
             return
         base = dist.distributed_c10d._get_default_store()
