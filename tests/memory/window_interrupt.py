@@ -63,17 +63,24 @@ def timed(after: float, stop: Callable[[], None], call: Callable[[], object]) ->
     return {"error": error, "after_stop": end - stopped[0] if stopped else None}
 
 
+def open_window(rank: int, peer: int, salt: int = 0) -> tuple[dist.ProcessGroup, Window]:
+    """A window of ``pattern(rank, salt)`` on a new mk group, its connections made (one small get), and the
+    ranks in step."""
+    group = dist.new_group(backend="mk", timeout=datetime.timedelta(seconds=60))
+    win = Window(pattern(rank, salt), group)
+    win.get(peer, 0, torch.zeros(SMALL, dtype=torch.int64))
+    dist.barrier()
+    return group, win
+
+
 def interrupt_cases(rank: int, peer: int, after: float) -> dict:
     out: dict = {}
     names = ("get", "put", "get_async", "flush", "fetch_add", "wait_notify")
     for name in names:
-        group = dist.new_group(backend="mk", timeout=datetime.timedelta(seconds=60))
-        win = Window(pattern(rank), group)
+        _, win = open_window(rank, peer)
         got = torch.zeros(ELEMS, dtype=torch.int64)
         src = pattern(rank, salt=5)
         small = torch.zeros(SMALL, dtype=torch.int64)
-        win.get(peer, 0, small)  # connections made before the timed call
-        dist.barrier()
         calls: dict[str, Callable[[], object]] = {
             "get": lambda: win.get(peer, 0, got),
             "put": lambda: win.put(peer, 0, src),
@@ -113,12 +120,9 @@ def interrupt_cases(rank: int, peer: int, after: float) -> dict:
 
 
 def abort_case(rank: int, peer: int, after: float) -> dict:
-    group = dist.new_group(backend="mk", timeout=datetime.timedelta(seconds=60))
-    win = Window(pattern(rank), group)
+    group, win = open_window(rank, peer)
     got = torch.zeros(ELEMS, dtype=torch.int64)
     small = torch.zeros(SMALL, dtype=torch.int64)
-    win.get(peer, 0, small)
-    dist.barrier()
     stop = group.abort if rank == 0 else (lambda: None)
     t0 = time.monotonic()
     rep = timed(after, stop, lambda: win.get(peer, 0, got))
@@ -143,8 +147,7 @@ def abort_case(rank: int, peer: int, after: float) -> dict:
         problems.append(f"a second free(): {type(e).__name__}: {e}")
     dist.barrier()
     try:  # the process goes on: a new group's window works
-        group2 = dist.new_group(backend="mk", timeout=datetime.timedelta(seconds=60))
-        win2 = Window(pattern(rank, salt=2), group2)
+        _, win2 = open_window(rank, peer, salt=2)
         win2.get(peer, 0, small)
         if not torch.equal(small, pattern(peer, salt=2)[:SMALL]):
             problems.append(f"a new group's window gave {small[:4].tolist()}...")
