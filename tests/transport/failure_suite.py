@@ -104,6 +104,26 @@ elif scenario == "recv_timeout":
         time.sleep(timeout_s + 3)  # stay connected (and silent) until rank 0 has given up
     report()
     os._exit(0)
+elif scenario == "peer_abort":
+    # rank 0 aborts a group of its own while rank 1 waits in a receive from it, then rank 1 uses it again;
+    # rank 1 never aborted anything (an interrupt on rank 0 only does this to the default group)
+    from superkernel.memory import Window
+    g = dist.new_group(backend="mk")
+    win = Window(torch.arange(8, dtype=torch.float32) + rank, g)
+    dist.all_reduce(torch.ones(4), group=g)  # (connections made)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)
+        attempt("abort", g.abort)
+    else:
+        attempt("recv_waiting", lambda: dist.recv(torch.empty(3), src=0, tag=5, group=g))
+        attempt("recv_after", lambda: dist.recv(torch.empty(3), src=0, tag=6, group=g))
+        attempt("send_after", lambda: dist.send(torch.ones(3), dst=0, tag=7, group=g))
+        attempt("allreduce_after", lambda: dist.all_reduce(torch.ones(4), group=g))
+        attempt("get_after", lambda: win.get(0, 0, torch.empty(8)))
+    dist.barrier()  # (the default group is untouched)
+    report()
+    os._exit(0)  # skip destroy: g is broken
 elif scenario == "kill9":
     dist.barrier()
     print(f"READY {os.getpid()}", flush=True)

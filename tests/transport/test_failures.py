@@ -82,6 +82,26 @@ def test_messages_sent_before_a_peer_exits_are_delivered(transport: str) -> None
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_peer_that_aborted_is_reported_to_a_rank_that_did_not(transport: str) -> None:
+    """A rank that aborted its communicator (an interrupt, a timeout) while its peer waits for it: the
+    peer's receive fails within a progress check, as does every later use, and says the peer aborted. On
+    one host the waiting receive hung until the group timeout (shm told only ranks inside a collective)."""
+    res = run_world(2, "failure_suite.py", ["peer_abort"], timeout=120,
+                    env={"SUPERKERNEL_TRANSPORT": transport, "SUITE_TIMEOUT": "60"})
+    e0, e1 = events(res)
+    assert e0["abort"]["ok"], e0
+    # rank 1 waited about 1 s for rank 0, which then aborted: it is told within a check, not at the timeout
+    assert not e1["recv_waiting"]["ok"] and e1["recv_waiting"]["secs"] < 5, e1["recv_waiting"]
+    for op in ("recv_waiting", "recv_after", "send_after", "allreduce_after", "get_after"):
+        assert not e1[op]["ok"], (op, e1[op])
+        assert "rank 1" in e1[op]["error"] and e1[op]["secs"] < 5, (op, e1[op])
+        assert re.search(r"abort|peer 0|rank 0", e1[op]["error"]), (op, e1[op])
+    # on one host the peer's abort flag says why; over tcp only that the connection closed (no frame says it)
+    why = "peer 0 aborted the communicator" if transport == "shm" else "peer 0 (127.0.0.1"
+    assert why in e1["recv_waiting"]["error"], e1["recv_waiting"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_group_timeout_is_honoured(transport: str) -> None:
     res = run_world(2, "failure_suite.py", ["timeout"], timeout=120,
                     env={"SUPERKERNEL_TRANSPORT": transport, "SUITE_TIMEOUT": "3"})

@@ -251,8 +251,14 @@ void ShmProvider::check_peer(int j, const char* op) {
     std::lock_guard<std::mutex> lock(abort_mu_);
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": communicator aborted: ", abort_reason_));
   }
-  if (peers_[j]->control()->aborted.load())
-    throw PeerError(cat("mk ", op, ": rank ", rank_, ": peer ", locals_[j], " aborted the communicator"));
+  if (peers_[j]->control()->aborted.load()) {
+    // Fail what waits on that peer too (receives posted before it aborted; its queued sends): the progress
+    // thread's periodic check is how a rank that is not in a collective step learns of it. A receive from an
+    // aborted peer on this host waited for the group timeout (the kernel's "left alone" test, 3 of 3).
+    const std::string why = cat("peer ", locals_[j], " aborted the communicator");
+    fail_peer(j, cat("rank ", rank_, ": ", why));
+    throw PeerError(cat("mk ", op, ": rank ", rank_, ": ", why));
+  }
   if (process_exited(pidfds_[j], peers_[j]->pid())) {
     const std::string why = cat("peer ", locals_[j], " (pid ", peers_[j]->pid(), ", same host) exited");
     fail_peer(j, cat("rank ", rank_, ": ", why));
@@ -322,7 +328,7 @@ RequestPtr ShmProvider::isend(int peer, uint64_t tag, const void* buf, size_t le
     return req;
   }
   if (!alive_[size_t(j)].load()) {
-    req->fail(cat("rank ", rank_, ": peer ", peer, " exited"));
+    req->fail(cat("rank ", rank_, ": peer ", peer, gone_reason(j)));
     return req;
   }
   {
@@ -611,7 +617,13 @@ void ShmProvider::abort(const std::string& why) {
 bool ShmProvider::peer_alive(int peer) const {
   auto it = std::find(locals_.begin(), locals_.end(), peer);
   if (it == locals_.end()) return false;
-  return alive_[size_t(it - locals_.begin())].load();
+  const size_t j = size_t(it - locals_.begin());
+  // (an abort counts at once, before the progress thread's next check fails the peer)
+  return alive_[j].load() && (int(j) == me_ || !peers_[j]->control()->aborted.load());
+}
+
+std::string ShmProvider::gone_reason(int j) const {
+  return peers_[size_t(j)]->control()->aborted.load() ? " aborted the communicator" : " exited";
 }
 
 }  // namespace mk

@@ -89,6 +89,7 @@ class ShmProvider final : public Provider {
   void wake_progress();  // wake this rank's own progress thread if it sleeps
   void check_peer(int peer_local, const char* op);
   void fail_peer(int peer_local, const std::string& why);
+  std::string gone_reason(int peer_local) const;  // " exited" or " aborted the communicator"
 
   const int rank_;
   const std::vector<int> locals_;
