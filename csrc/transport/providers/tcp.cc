@@ -602,7 +602,8 @@ void TcpProvider::conn_closed(Conn& c) {
   c.closed = true;
   unwatch(c);
   Peer& p = *peers_[c.peer];
-  const std::string why = cat("peer ", c.peer, " (", p.addr, ") closed the connection");
+  // (an abort there shuts its sockets too: no frame says which, so say both)
+  const std::string why = cat("peer ", c.peer, " (", p.addr, ") closed the connection (it exited, or aborted its communicator)");
   bool needed;
   {
     std::lock_guard<std::mutex> lock(c.mu);
