@@ -43,7 +43,7 @@ RequestPtr Comm::irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t c
     throw Error(cat("mk recv: rank ", rank_, ": invalid source rank ", peer, " (group size ", size_, ")"));
   auto r = matcher_.post_recv(peer, tag, buf, len, check, up_to);
   if (peer != kAnySource && !route_[size_t(peer)]->peer_alive(peer))
-    matcher_.fail_source(peer, cat("rank ", rank_, ": peer ", peer, " is gone"));
+    matcher_.fail_source(peer, cat("rank ", rank_, ": ", route_[size_t(peer)]->gone_reason(peer)));
   return r;
 }
 

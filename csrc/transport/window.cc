@@ -263,8 +263,8 @@ void Window::check(int target, size_t offset, size_t count, const char* op) cons
     throw PeerError(cat("mk window #", id_, " ", op, ": rank ", comm_.rank(), ": the communicator was aborted (",
                         comm_.abort_reason(), ")"));
   if (base_[size_t(target)] && target != comm_.rank() && !comm_.route(target)->peer_alive(target))
-    throw PeerError(cat("mk window #", id_, " ", op, ": rank ", comm_.rank(), ": target rank ", target,
-                        " (same host) exited or aborted the communicator"));
+    throw PeerError(cat("mk window #", id_, " ", op, ": rank ", comm_.rank(), ": target ",
+                        comm_.route(target)->gone_reason(target)));
 }
 
 void Window::track(int target, const RequestPtr& r) {

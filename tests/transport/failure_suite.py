@@ -124,6 +124,18 @@ elif scenario == "peer_abort":
     dist.barrier()  # (the default group is untouched)
     report()
     os._exit(0)  # skip destroy: g is broken
+elif scenario == "timeout_reason":
+    # rank 0 alone has a short timeout: its all_reduce times out waiting for rank 1, which waits in a receive
+    # from rank 0 instead (a mismatched program); rank 1 must hear why rank 0 left, not only that it did
+    dist.barrier()
+    if rank == 0:
+        attempt("allreduce", lambda: dist.all_reduce(torch.ones(100)))
+        time.sleep(2.0)  # (stay: the reason must come from rank 0's abort, not from its exit)
+    else:
+        attempt("recv", lambda: dist.recv(torch.empty(3), src=0, tag=4))
+        attempt("recv_after", lambda: dist.recv(torch.empty(3), src=0, tag=5))
+    report()
+    os._exit(0)
 elif scenario == "kill9":
     dist.barrier()
     print(f"READY {os.getpid()}", flush=True)

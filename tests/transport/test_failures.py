@@ -96,9 +96,29 @@ def test_a_peer_that_aborted_is_reported_to_a_rank_that_did_not(transport: str) 
         assert not e1[op]["ok"], (op, e1[op])
         assert "rank 1" in e1[op]["error"] and e1[op]["secs"] < 5, (op, e1[op])
         assert re.search(r"abort|peer 0|rank 0", e1[op]["error"]), (op, e1[op])
-    # on one host the peer's abort flag says why; over tcp the connection closed (no frame says it)
-    why = "peer 0 aborted the communicator" if transport == "shm" else "closed the connection (it exited, or aborted"
-    assert why in e1["recv_waiting"]["error"], e1["recv_waiting"]
+    # the peer's abort (its shm flag, or an ABORT frame over tcp) says that it aborted, and why
+    for op in ("recv_waiting", "recv_after", "send_after", "allreduce_after", "get_after"):
+        assert re.search(r"peer 0 (\(\S+\) )?aborted its communicator \(rank 0 aborted the process group\)",
+                         e1[op]["error"]), (op, e1[op])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_that_timed_out_tells_its_peers_why(transport: str) -> None:
+    """Rank 0's all_reduce times out waiting for rank 1, which sits in a receive from rank 0 (a program whose
+    ranks disagree): rank 1's receive fails at once with rank 0's own error, which names the rank it waited
+    for and the op, where it said only that rank 0 closed its connections or aborted."""
+    res = run_world(2, "failure_suite.py", ["timeout_reason"], timeout=120,
+                    env={"SUPERKERNEL_TRANSPORT": transport, "SUITE_TIMEOUT": "60"},
+                    per_rank_env={0: {"SUITE_TIMEOUT": "2"}})
+    e0, e1 = events(res)
+    assert not e0["allreduce"]["ok"] and "timed out" in e0["allreduce"]["error"], e0
+    # rank 0's reason: its error's text from the op's name on (the exception type and "rank 0: " aside)
+    reason = re.search(r"mk allreduce.*", e0["allreduce"]["error"])
+    assert reason and "rank 0" in reason.group(0) and "peer 1" in reason.group(0), e0
+    for op in ("recv", "recv_after"):
+        err = e1[op]["error"]
+        assert not e1[op]["ok"] and e1[op]["secs"] < 5, (op, e1[op])
+        assert "peer 0" in err and "aborted its communicator" in err and reason.group(0) in err, (op, err, reason.group(0))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -198,8 +218,8 @@ def test_tcp_connection_without_the_job_secret_is_rejected_and_logged() -> None:
             time.sleep(0.2)
     assert len(ports) == 1, f"rank 0 listens on {ports} besides torch's store"
     for port in ports:
-        # a stranger with the right protocol magic and version (2: RMA frames) but the wrong secret, and garbage
-        for payload in (struct.pack("<IHHii32s", 0x4D4B5431, 2, 0, 1, 2, b"x" * 32), b"GET / HTTP/1.0\r\n\r\n" * 4):
+        # a stranger with the right protocol magic and version (3: the ABORT frame) but the wrong secret, and garbage
+        for payload in (struct.pack("<IHHii32s", 0x4D4B5431, 3, 0, 1, 2, b"x" * 32), b"GET / HTTP/1.0\r\n\r\n" * 4):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.sendall(payload)
                 s.settimeout(5)

@@ -58,6 +58,9 @@ class Provider {
 
   // Is the peer still reachable? (false after its connection dropped or its process exited)
   virtual bool peer_alive(int peer) const = 0;
+  // Why a peer that is not alive is gone, as a clause for an error message ("peer 3 aborted its communicator
+  // (rank 3: mk all_reduce ... timed out waiting for peer 1)", "peer 2 (pid 77, same host) exited").
+  virtual std::string gone_reason(int peer) const = 0;
 };
 
 }  // namespace mk

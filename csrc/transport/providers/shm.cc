@@ -18,9 +18,10 @@ namespace mk {
 namespace {
 
 constexpr uint64_t kMagic = 0x6d6b2d73686d3031ull;  // "mk-shm01"
-constexpr uint32_t kVersion = 2;  // 2: RingHeader::sleepers, sender_waiting
+constexpr uint32_t kVersion = 3;  // 2: RingHeader::sleepers, sender_waiting; 3: Control::abort_why
 constexpr int kMaxSlots = 16;
 constexpr int kDescWords = 8;
+constexpr size_t kAbortWhyBytes = 512;
 
 struct alignas(64) Control {
   uint64_t magic;
@@ -36,6 +37,9 @@ struct alignas(64) Control {
   alignas(64) std::atomic<uint32_t> doorbell;
   std::atomic<uint32_t> doorbell_sleeping;
   alignas(64) std::atomic<uint64_t> desc[kMaxSlots][kDescWords];
+  // Why this rank aborted (NUL-terminated, cut to fit): written once, before `aborted` is set, so a peer that
+  // sees the flag can say why, not only that (a timeout names the rank that did not arrive).
+  char abort_why[kAbortWhyBytes];
 };
 
 struct alignas(64) RingHeader {
@@ -255,12 +259,12 @@ void ShmProvider::check_peer(int j, const char* op) {
     // Fail what waits on that peer too (receives posted before it aborted; its queued sends): the progress
     // thread's periodic check is how a rank that is not in a collective step learns of it. A receive from an
     // aborted peer on this host waited for the group timeout (the kernel's "left alone" test, 3 of 3).
-    const std::string why = cat("peer ", locals_[j], " aborted the communicator");
+    const std::string why = gone_reason(locals_[j]);
     fail_peer(j, cat("rank ", rank_, ": ", why));
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": ", why));
   }
   if (process_exited(pidfds_[j], peers_[j]->pid())) {
-    const std::string why = cat("peer ", locals_[j], " (pid ", peers_[j]->pid(), ", same host) exited");
+    const std::string why = gone_reason(locals_[j]);
     fail_peer(j, cat("rank ", rank_, ": ", why));
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": ", why));
   }
@@ -328,7 +332,7 @@ RequestPtr ShmProvider::isend(int peer, uint64_t tag, const void* buf, size_t le
     return req;
   }
   if (!alive_[size_t(j)].load()) {
-    req->fail(cat("rank ", rank_, ": peer ", peer, gone_reason(j)));
+    req->fail(cat("rank ", rank_, ": ", gone_reason(peer)));
     return req;
   }
   {
@@ -599,7 +603,10 @@ void ShmProvider::abort(const std::string& why) {
   }
   if (first) {
     Control* c = own_->control();
-    c->aborted.store(1);
+    const size_t n = std::min(why.size(), kAbortWhyBytes - 1);
+    std::memcpy(c->abort_why, why.data(), n);
+    c->abort_why[n] = '\0';
+    c->aborted.store(1);  // (seq_cst: a peer that sees it sees abort_why whole)
     c->step_word.fetch_add(1);
     futex_wake_all(&c->step_word);
     for (int j = 0; j < local_size(); ++j)
@@ -622,8 +629,15 @@ bool ShmProvider::peer_alive(int peer) const {
   return alive_[j].load() && (int(j) == me_ || !peers_[j]->control()->aborted.load());
 }
 
-std::string ShmProvider::gone_reason(int j) const {
-  return peers_[size_t(j)]->control()->aborted.load() ? " aborted the communicator" : " exited";
+std::string ShmProvider::gone_reason(int peer) const {
+  const auto it = std::find(locals_.begin(), locals_.end(), peer);
+  if (it == locals_.end() || *it == rank_) return cat("rank ", peer, " is not a peer on this host");
+  const ShmSegment& seg = *peers_[size_t(it - locals_.begin())];
+  const Control* c = seg.control();
+  if (c->aborted.load()) {
+    const char* why = c->abort_why;
+    return cat("peer ", peer, " aborted its communicator (", std::string(why, strnlen(why, kAbortWhyBytes)), ")");
+  }
+  return cat("peer ", peer, " (pid ", seg.pid(), ", same host) exited");
 }
-
 }  // namespace mk

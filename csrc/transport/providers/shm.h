@@ -45,6 +45,7 @@ class ShmProvider final : public Provider {
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check) override;
   void abort(const std::string& why) override;
   bool peer_alive(int peer) const override;
+  std::string gone_reason(int peer) const override;
   // A thread about to sleep on request `r` of point-to-point traffic with `peer` makes progress itself: it
   // drains that peer's ring and pushes our queued sends to it, so a message that arrives meanwhile completes
   // without waking the progress thread (on a VM a wake-up costs tens of microseconds, and a transfer larger
@@ -89,7 +90,6 @@ class ShmProvider final : public Provider {
   void wake_progress();  // wake this rank's own progress thread if it sleeps
   void check_peer(int peer_local, const char* op);
   void fail_peer(int peer_local, const std::string& why);
-  std::string gone_reason(int peer_local) const;  // " exited" or " aborted the communicator"
 
   const int rank_;
   const std::vector<int> locals_;

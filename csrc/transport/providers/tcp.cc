@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 
@@ -22,8 +23,8 @@ namespace mk {
 namespace {
 
 constexpr uint32_t kMagic = 0x4d4b5431;  // "MKT1"
-// Version 2 added the RMA frame types.
-constexpr uint16_t kVersion = 2;
+// Version 2 added the RMA frame types, 3 the ABORT frame.
+constexpr uint16_t kVersion = 3;
 constexpr uint16_t kData = 1;
 // RMA frames. Origin -> target: tag = region id, seq = operation id, total = byte offset in the region.
 //   PUT: offset = notify tag (kNoNotify: none), payload = the bytes.
@@ -37,6 +38,10 @@ constexpr uint16_t kRmaGet = 3;
 constexpr uint16_t kRmaAcc = 4;
 constexpr uint16_t kRmaAmo = 5;
 constexpr uint16_t kRmaReply = 6;
+// ABORT: the sender aborted its communicator; payload = why (at most kAbortWhyBytes). It is the last frame on
+// its socket, and goes only on a socket whose stream is between frames (abort cuts a frame short otherwise).
+constexpr uint16_t kAbort = 7;
+constexpr size_t kAbortWhyBytes = 1024;
 
 struct Hello {
   uint32_t magic;
@@ -193,7 +198,8 @@ struct TcpProvider::Peer {
   std::vector<std::unique_ptr<Conn>> conns;
   std::atomic<bool> alive{true};
   std::mutex fail_mu;
-  std::string failure;
+  std::string failure;  // "rank <me>: <why>"
+  std::string why;      // why the peer is gone (gone_reason)
   std::mutex seq_mu;
   uint64_t next_send_seq = 0;
   // progress thread only
@@ -509,12 +515,17 @@ void TcpProvider::match_ready(Peer& p) {
 
 void TcpProvider::on_readable(Conn& c) {
   Peer& p = *peers_[c.peer];
+  // End of file inside a frame: an ABORT frame that did not fit whole still says the peer aborted.
+  auto cut_short = [&] {
+    const bool abort_frame = c.hdr_got >= offsetof(WireHeader, tag) && c.hdr.magic == kMagic && c.hdr.type == kAbort;
+    return peer_failed(c.peer, abort_frame ? cat("peer ", c.peer, " (", p.addr, ") aborted its communicator (its reason was cut short)")
+                                           : cat("peer ", c.peer, " (", p.addr, ") closed the connection in the middle of a frame"));
+  };
   while (true) {
     if (c.cur == nullptr && !c.rma) {
       ssize_t k = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(WireHeader) - c.hdr_got, 0);
       if (k == 0 && c.hdr_got == 0) return conn_closed(c);
-      if (k == 0)
-        return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") closed the connection in the middle of a frame"));
+      if (k == 0) return cut_short();
       if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         if (errno == EINTR) continue;
@@ -553,8 +564,7 @@ void TcpProvider::on_readable(Conn& c) {
     }
     if (c.frag_left > 0) {
       ssize_t k = ::recv(c.fd, c.cur_dst, c.frag_left, 0);
-      if (k == 0)
-        return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") closed the connection in the middle of a frame"));
+      if (k == 0) return cut_short();
       if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         if (errno == EINTR) continue;
@@ -619,6 +629,7 @@ void TcpProvider::peer_failed(int peer, const std::string& why) {
     std::lock_guard<std::mutex> lock(p.fail_mu);
     if (!p.alive.load()) return;
     p.failure = msg;
+    p.why = why;
     p.alive.store(false);
   }
   std::vector<std::shared_ptr<SendState>> sends;
@@ -645,7 +656,7 @@ void TcpProvider::peer_failed(int peer, const std::string& why) {
 }
 
 void TcpProvider::abort(const std::string& why) {
-  aborted_.store(true, std::memory_order_release);
+  if (!aborted_.exchange(true, std::memory_order_acq_rel)) announce_abort(why);
   for (auto& p : peers_)
     if (p)
       for (auto& c : p->conns)
@@ -660,7 +671,27 @@ void TcpProvider::abort(const std::string& why) {
     std::lock_guard<std::mutex> passed(pass_mu_);
     fail_every_peer();
   }
-  (void)why;
+}
+
+void TcpProvider::announce_abort(const std::string& why) {
+  const std::string text = why.substr(0, kAbortWhyBytes);
+  for (auto& p : peers_) {
+    if (!p || !p->alive.load()) continue;
+    for (auto& c : p->conns) {
+      if (!c || c->fd < 0) continue;
+      std::lock_guard<std::mutex> lock(c->mu);
+      // (a frame started and not finished: whatever follows would be read as its rest)
+      if (c->closed || (!c->out.empty() && c->out.front().done > 0)) continue;
+      WireHeader h{kMagic, kVersion, kAbort, 0, 0, 0, text.size(), 0, text.size()};
+      iovec iov[2] = {{&h, sizeof(h)}, {const_cast<char*>(text.data()), text.size()}};
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = text.empty() ? 1 : 2;
+      // Once, without waiting: a full socket buffer, or a broken connection, leaves the peer to find the
+      // socket closed (or the frame cut short, which it reports as an abort without the reason).
+      (void)::sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+  }
 }
 
 void TcpProvider::fail_every_peer() {
@@ -670,6 +701,13 @@ void TcpProvider::fail_every_peer() {
 
 bool TcpProvider::peer_alive(int peer) const {
   return peer >= 0 && peer < world_ && peers_[peer] && peers_[peer]->alive.load();
+}
+
+std::string TcpProvider::gone_reason(int peer) const {
+  if (peer < 0 || peer >= world_ || !peers_[peer]) return cat("rank ", peer, " has no tcp connection here");
+  Peer& p = *peers_[peer];
+  std::lock_guard<std::mutex> lock(p.fail_mu);
+  return p.alive.load() ? cat("peer ", peer, " is connected") : p.why;
 }
 
 }  // namespace mk
@@ -782,6 +820,14 @@ bool TcpProvider::rma_begin(Conn& c) {
     c.scratch.resize(size_t(h.length));
     c.cur_dst = c.scratch.data();
   };
+  if (h.type == kAbort) {
+    if (h.length > kAbortWhyBytes) {
+      peer_failed(c.peer, cat("protocol error on the connection to peer ", c.peer, " (oversized ABORT frame)"));
+      return false;
+    }
+    to_scratch();
+    return true;
+  }
   if (h.type == kRmaReply) {
     {
       std::lock_guard<std::mutex> lock(pending_mu_);
@@ -822,6 +868,11 @@ bool TcpProvider::rma_begin(Conn& c) {
 
 void TcpProvider::rma_end(Conn& c) {
   const WireHeader h = c.hdr;
+  if (h.type == kAbort) {
+    const Peer& p = *peers_[c.peer];
+    return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") aborted its communicator (",
+                                   std::string(c.scratch.data(), size_t(h.length)), ")"));
+  }
   if (h.type == kRmaReply) {
     std::unique_ptr<Pending> pend = std::move(c.reply);
     if (h.tag == 0) {

@@ -61,6 +61,7 @@ class TcpProvider final : public Provider {
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len, uint64_t check) override;
   void abort(const std::string& why) override;
   bool peer_alive(int peer) const override;
+  std::string gone_reason(int peer) const override;
 
   void expose(uint64_t region, RmaRegion r) override;
   void withdraw(uint64_t region) override;
@@ -105,6 +106,9 @@ class TcpProvider final : public Provider {
   // Progress thread: the peer closed connection c between frames (end of file).
   void conn_closed(Conn& c);
   void peer_failed(int peer, const std::string& why);
+  // abort(), first call: an ABORT frame with `why` on every socket whose stream is between frames, so the
+  // peers can say why this rank left, not only that its connections closed.
+  void announce_abort(const std::string& why);
   // After an abort (pass_mu_ held, or on the progress thread between batches): peer_failed for every live peer.
   void fail_every_peer();
 
