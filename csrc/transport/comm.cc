@@ -51,10 +51,16 @@ void Comm::wait(const RequestPtr& r, const Deadline& d, const char* op, int peer
   progress_while_pending(*r, peer);
   std::optional<Sleeping> sleeping;
   if (!r->test()) sleeping.emplace(*this, peer);
-  r->wait(d, [&] {
-    return peer == kAnySource ? cat("mk ", op, ": rank ", rank_, " (any source)")
-                              : cat("mk ", op, ": rank ", rank_, ", peer ", peer);
-  });
+  try {
+    r->wait(d, [&] {
+      return peer == kAnySource ? cat("mk ", op, ": rank ", rank_, " (any source)")
+                                : cat("mk ", op, ": rank ", rank_, ", peer ", peer);
+    });
+  } catch (const TimeoutError&) {
+    // (said as the shm step wait says it: the rank that gave up, and the one it waited for)
+    throw TimeoutError(peer == kAnySource ? cat("mk ", op, ": rank ", rank_, " timed out waiting for any peer")
+                                          : cat("mk ", op, ": rank ", rank_, " timed out waiting for peer ", peer));
+  }
 }
 
 void Comm::progress_while_pending(const Request& r, int peer) {
