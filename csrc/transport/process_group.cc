@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <numeric>
 #include <optional>
@@ -141,6 +142,29 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupMK::create(const c10::intrusive_pt
 }
 
 void ProcessGroupMK::setTimeout(std::chrono::milliseconds timeout) { comm_->set_timeout(timeout); }
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupMK::getBackendOptions() {
+  auto o = c10::make_intrusive<c10d::Backend::Options>("mk", comm_->timeout());
+  o->group_name = getGroupUid();
+  o->group_desc = getGroupDesc();
+  return o;
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupMK::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                        const std::vector<int>& ranks,
+                                                        const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  std::vector<int> seen(size_t(size_), 0);
+  for (int r : ranks) {
+    TORCH_CHECK(r >= 0 && r < size_, "mk split_group: rank ", rank_, ": rank ", r, " is not in the parent group (size ",
+                size_, ")");
+    TORCH_CHECK(!seen[size_t(r)]++, "mk split_group: rank ", rank_, ": rank ", r, " is listed twice");
+  }
+  const auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end()) return nullptr;
+  const auto timeout = opts ? opts->timeout : comm_->timeout();
+  // (ProcessGroup::splitGroup names the new group, and so this backend)
+  return c10::make_intrusive<ProcessGroupMK>(store, int(me - ranks.begin()), int(ranks.size()), timeout);
+}
 
 void ProcessGroupMK::abort() {
   comm_->abort(cat("rank ", rank_, " aborted the process group"));

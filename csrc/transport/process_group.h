@@ -32,6 +32,13 @@ class ProcessGroupMK : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
+  // dist.split_group: the ranks of this group (in its numbering) that form the caller's new group, each
+  // member bootstrapping a new communicator through the caller's namespaced store; null on a rank not in it.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
+
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,

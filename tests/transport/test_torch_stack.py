@@ -1,7 +1,7 @@
 """What PyTorch builds on torch.distributed, run on an mk default group and checked against the same
 computation on one rank (tests/transport/torch_stack_suite.py): DistributedDataParallel, FSDP2's
-fully_shard, DTensor on a DeviceMesh, batch_isend_irecv and the functional collectives (eager and under
-torch.compile), at 2-4 ranks over shared memory and over TCP. Each world is launched once; the tests read its
+fully_shard, DTensor on a DeviceMesh, batch_isend_irecv, the functional collectives (eager and under
+torch.compile) and dist.split_group, at 2-4 ranks over shared memory and over TCP. Each world is launched once; the tests read its
 per-family report, so a failure names the family, the world size and the transport."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.transport.world import RankResult, run_world
 
 WORLDS = [(2, "shm"), (3, "tcp"), (4, "shm")]
 IDS = [f"{w}ranks-{t}" for w, t in WORLDS]
-FAMILIES = ["ddp", "fsdp2", "dtensor", "batch_p2p", "funcol"]
+FAMILIES = ["ddp", "fsdp2", "dtensor", "batch_p2p", "funcol", "split_group"]
 # families whose traffic is collectives, which the group counts (batch_isend_irecv is point to point)
 COLLECTIVE = {"ddp", "fsdp2", "dtensor", "funcol"}
 _cache: dict[tuple[int, str], list[RankResult]] = {}

@@ -8,7 +8,8 @@ Families: ``ddp`` (DistributedDataParallel: the broadcast of rank 0's parameters
 averaging over several steps), ``fsdp2`` (fully_shard: all_gather of parameters, reduce_scatter of gradients,
 shapes the world size does not divide), ``dtensor`` (DeviceMesh and DTensor redistributions: Shard to
 Replicate, Shard(0) to Shard(1), Partial to Replicate), ``batch_p2p`` (batch_isend_irecv both ways round a
-ring), ``funcol`` (the functional collectives, eager and traced by torch.compile)."""
+ring), ``funcol`` (the functional collectives, eager and traced by torch.compile), ``split_group``
+(dist.split_group: members in the listed order, a rank left out of every split)."""
 from __future__ import annotations
 
 import datetime
@@ -158,9 +159,53 @@ def check_funcol(rank: int, world: int) -> None:
                 failures["funcol"].append(f"{how} {name}: {got.tolist()[:8]}..., want {w.tolist()[:8]}...")
 
 
+def check_split_group(rank: int, world: int) -> None:
+    """dist.split_group (as Gloo and NCCL offer it): the listed order is the new ranks' order, a rank in no
+    split gets NON_GROUP_MEMBER, and each new group is an mk group of its own."""
+    if world < 2:
+        return
+    ranks = list(range(world))
+    # reversed order inside each split; from 3 ranks on, one rank belongs to none: [[1], [0]], [[2, 0]],
+    # [[3, 1], [0]]
+    rest = ranks[-2::-2][1 if world >= 3 else 0:]
+    splits = [ranks[::-2]] + ([rest] if rest else [])
+    mine = next((sp for sp in splits if rank in sp), None)
+    g = dist.split_group(split_ranks=splits)
+    if mine is None:
+        if g is not dist.GroupMember.NON_GROUP_MEMBER:
+            failures["split_group"].append(f"in no split, yet got a group ({g})")
+        return
+    problems = []
+    if dist.get_backend(g) != "mk":
+        problems.append(f"backend {dist.get_backend(g)}")
+    if (g.rank(), g.size()) != (mine.index(rank), len(mine)):
+        problems.append(f"rank {g.rank()} of {g.size()}, want {mine.index(rank)} of {len(mine)}")
+    x = torch.tensor([float(rank + 1), float(g.rank())])
+    dist.all_reduce(x, group=g)
+    want = [float(sum(r + 1 for r in mine)), float(sum(range(len(mine))))]
+    if x.tolist() != want:
+        problems.append(f"all_reduce gave {x.tolist()}, want {want}")
+    out = [torch.empty(1) for _ in mine]
+    dist.all_gather(out, torch.tensor([float(rank)]), group=g)
+    if [t.item() for t in out] != [float(r) for r in mine]:
+        problems.append(f"all_gather gave {[t.item() for t in out]}, want {mine} in the listed order")
+    # a fused op finds the new group by its name, as it finds any other
+    from superkernel.ops import gemm_allreduce
+    gen = torch.Generator().manual_seed(3)
+    parts = [(torch.randn(6, 4, generator=gen, dtype=torch.float64), torch.randn(4, 5, generator=gen, dtype=torch.float64))
+             for _ in mine]
+    a, b = parts[mine.index(rank)]
+    got = gemm_allreduce(a.float(), b.float(), g)
+    want_y = sum(pa @ pb for pa, pb in parts)
+    if not torch.allclose(got.double(), want_y, rtol=1e-5, atol=1e-5):
+        problems.append(f"gemm_allreduce: max difference {(got.double() - want_y).abs().max().item():.3g}")
+    failures["split_group"] += [f"split {mine}: {p}" for p in problems]
+    dist.destroy_process_group(g)
+
+
 FAMILIES: dict[str, Callable[[int, int], None]] = {
     "ddp": check_ddp, "fsdp2": check_fsdp2, "dtensor": check_dtensor, "batch_p2p": check_batch_p2p,
-    "funcol": check_funcol}
+    "funcol": check_funcol, "split_group": check_split_group}
 
 
 def main() -> None:
