@@ -479,10 +479,9 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "create_backend",
-      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::duration<float> timeout) {
-        return mk::ProcessGroupMK::create(store, rank, size, timeout);
-      },
-      py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout"),
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::duration<float> timeout,
+         const std::string& group_name) { return mk::ProcessGroupMK::create(store, rank, size, timeout, group_name); },
+      py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout"), py::arg("group_name") = "",
       py::call_guard<py::gil_scoped_release>(),
       "Create an mk backend (torch.distributed calls this through Backend.register_backend).");
 

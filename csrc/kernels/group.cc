@@ -45,6 +45,16 @@ Group resolve_group(const std::string& group_name, const c10::Device& device, co
   g.rank = g.pg->getRank();
   g.size = g.pg->getSize();
   g.mk = dynamic_cast<ProcessGroupMK*>(g.backend.get());
+  if (!g.mk && g.backend && g.backend->getBackendName() == "mk") {
+    // TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper (it checks collectives, which the ops agree on themselves):
+    // through it, they ran as on a foreign backend, whose receives may be longer than the message (Gloo's),
+    // and mk's refused that ("the ranks disagree on the size of the operation")
+    auto inner = ProcessGroupMK::find_named(group_name);
+    TORCH_CHECK(inner && inner->getRank() == g.rank && inner->getSize() == g.size, "mk ", op, ": rank ", g.rank,
+                ": group '", group_name, "' reports the mk backend, but no mk backend of that name and size was created");
+    g.backend = inner;
+    g.mk = inner.get();
+  }
   if (g.mk) {
     g.timeout = g.mk->comm().timeout();
   } else {

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -135,13 +137,45 @@ ProcessGroupMK::ProcessGroupMK(const c10::intrusive_ptr<c10d::Store>& store, int
 
 ProcessGroupMK::~ProcessGroupMK() { shutdown(); }
 
+namespace {
+
+std::mutex named_mu;
+std::map<std::string, c10::weak_intrusive_ptr<ProcessGroupMK>>& named() {
+  static std::map<std::string, c10::weak_intrusive_ptr<ProcessGroupMK>> m;
+  return m;
+}
+
+void remember(const std::string& group_name, const c10::intrusive_ptr<ProcessGroupMK>& pg) {
+  if (group_name.empty()) return;
+  std::lock_guard<std::mutex> lock(named_mu);
+  auto& m = named();
+  for (auto it = m.begin(); it != m.end();) it = it->second.expired() ? m.erase(it) : std::next(it);
+  m.insert_or_assign(group_name, c10::weak_intrusive_ptr<ProcessGroupMK>(pg));
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Backend> ProcessGroupMK::create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                         std::chrono::duration<float> timeout) {
+                                                         std::chrono::duration<float> timeout,
+                                                         const std::string& group_name) {
   auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
-  return c10::make_intrusive<ProcessGroupMK>(store, rank, size, ms);
+  auto pg = c10::make_intrusive<ProcessGroupMK>(store, rank, size, ms);
+  remember(group_name, pg);
+  return pg;
+}
+
+c10::intrusive_ptr<ProcessGroupMK> ProcessGroupMK::find_named(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(named_mu);
+  const auto it = named().find(group_name);
+  return it == named().end() ? c10::intrusive_ptr<ProcessGroupMK>() : it->second.lock();
 }
 
 void ProcessGroupMK::setTimeout(std::chrono::milliseconds timeout) { comm_->set_timeout(timeout); }
+
+uint64_t ProcessGroupMK::getSequenceNumberForGroup() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return collectives_;
+}
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupMK::getBackendOptions() {
   auto o = c10::make_intrusive<c10d::Backend::Options>("mk", comm_->timeout());
@@ -163,7 +197,9 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupMK::split(const c10::intrusive_ptr
   if (me == ranks.end()) return nullptr;
   const auto timeout = opts ? opts->timeout : comm_->timeout();
   // (ProcessGroup::splitGroup names the new group, and so this backend)
-  return c10::make_intrusive<ProcessGroupMK>(store, int(me - ranks.begin()), int(ranks.size()), timeout);
+  auto child = c10::make_intrusive<ProcessGroupMK>(store, int(me - ranks.begin()), int(ranks.size()), timeout);
+  if (opts) remember(opts->group_name, child);
+  return child;
 }
 
 void ProcessGroupMK::abort() {
@@ -241,6 +277,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupMK::enqueue(std::chrono::milliseconds
   auto work = c10::make_intrusive<WorkMK>(rank_, type, title, std::move(outputs), comm_->timeout() * 2);
   std::unique_lock<std::mutex> lock(mu_);
   TORCH_CHECK(!stop_, "mk ", title, ": rank ", rank_, ": the process group was shut down");
+  if (type != c10d::OpType::UNKNOWN) ++collectives_;
   if (queue_.empty() && !running_ && (bytes <= inline_bytes_ || CallerWaits::active())) {
     running_ = true;
     ++runs_on_caller_;

@@ -24,8 +24,13 @@ class ProcessGroupMK : public c10d::Backend {
   ProcessGroupMK(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout);
   ~ProcessGroupMK() override;
 
+  // `group_name` (torch's name for the group, when known) is remembered for find_named.
   static c10::intrusive_ptr<c10d::Backend> create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                  std::chrono::duration<float> timeout);
+                                                  std::chrono::duration<float> timeout,
+                                                  const std::string& group_name = "");
+  // The live mk backend created for the group named `group_name`, or null. With TORCH_DISTRIBUTED_DEBUG=DETAIL
+  // torch puts a checking wrapper between a group and its backend, which the fused ops see through this way.
+  static c10::intrusive_ptr<ProcessGroupMK> find_named(const std::string& group_name);
 
   const std::string getBackendName() const override { return "mk"; }
   void setTimeout(std::chrono::milliseconds timeout) override;
@@ -35,6 +40,10 @@ class ProcessGroupMK : public c10d::Backend {
   // dist.split_group: the ranks of this group (in its numbering) that form the caller's new group, each
   // member bootstrapping a new communicator through the caller's namespaced store; null on a rank not in it.
   bool supportsSplitting() const override { return true; }
+
+  // How many c10d collectives this rank issued on the group (send/recv and the fused ops' own tasks not
+  // counted): ranks in step agree on it. TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper asks for it at creation.
+  uint64_t getSequenceNumberForGroup() override;
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
@@ -139,6 +148,7 @@ class ProcessGroupMK : public c10d::Backend {
   bool running_ = false;
   bool stop_ = false;
   uint64_t runs_on_caller_ = 0, runs_on_worker_ = 0;  // (guarded by mu_) see runs()
+  uint64_t collectives_ = 0;                          // (guarded by mu_) see getSequenceNumberForGroup()
   std::thread worker_;
 };
 

@@ -22,13 +22,30 @@ def register_backend() -> None:
         raise ImportError("superkernel needs a torch build with torch.distributed")
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _C.create_backend, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+
+
+def _create_backend(opts: "dist.distributed_c10d._DistributedBackendOptions",
+                    backend_options: object) -> torch._C._distributed_c10d.Backend:
+    """torch.distributed's creator: an mk backend, remembered by the group's name (which the fused ops use to
+    find it behind TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper)."""
+    return _C.create_backend(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id)
+
+
+def cpu_backend(group: dist.ProcessGroup | None = None) -> torch._C._distributed_c10d.Backend:
+    """The backend of ``group`` (the default group when None) for CPU tensors, itself: without the wrapper
+    that TORCH_DISTRIBUTED_DEBUG=DETAIL puts around it to check collectives."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cpu"))
+    wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
+    if wrapper is not None and isinstance(backend, wrapper):
+        backend = backend.wrapped_pg
+    return backend
 
 
 def mk_backend(group: dist.ProcessGroup | None = None) -> torch._C._distributed_c10d.Backend:
     """The mk backend object behind ``group`` (the default group when None)."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    return pg._get_backend(torch.device("cpu"))
+    return cpu_backend(group)
 
 
 def transports(group: dist.ProcessGroup | None = None) -> list[str]:

@@ -40,13 +40,14 @@ def aborted_reason() -> str | None:
     """Why this rank's default group's mk communicator was aborted, or None (not aborted, not mk, no group)."""
     if _init is None or "torch.distributed" not in sys.modules:
         return None
-    import torch
     import torch.distributed as dist
+
+    from superkernel.backend import cpu_backend
 
     if not dist.is_initialized():
         return None
     try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        backend = cpu_backend()
     except RuntimeError:
         return None
     if (backend.name() if hasattr(backend, "name") else "") != "mk":

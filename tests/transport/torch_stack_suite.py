@@ -9,11 +9,13 @@ averaging over several steps), ``fsdp2`` (fully_shard: all_gather of parameters,
 shapes the world size does not divide), ``dtensor`` (DeviceMesh and DTensor redistributions: Shard to
 Replicate, Shard(0) to Shard(1), Partial to Replicate), ``batch_p2p`` (batch_isend_irecv both ways round a
 ring), ``funcol`` (the functional collectives, eager and traced by torch.compile), ``split_group``
-(dist.split_group: members in the listed order, a rank left out of every split)."""
+(dist.split_group: members in the listed order, a rank left out of every split), ``debug`` (what
+TORCH_DISTRIBUTED_DEBUG=DETAIL needs and does: the worlds run with it set and without)."""
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import traceback
 from collections import defaultdict
@@ -203,9 +205,45 @@ def check_split_group(rank: int, world: int) -> None:
     dist.destroy_process_group(g)
 
 
+def check_debug(rank: int, world: int) -> None:
+    """What TORCH_DISTRIBUTED_DEBUG=DETAIL relies on (a sequence number that counts collectives alike on every
+    rank) and, when it is set, that its checking wrapper really sits in front of mk, catches calls that
+    disagree before mk sees them, and leaves the fused ops and superkernel.backend working through it."""
+    from superkernel.ops import gemm_allreduce
+    pg = dist.distributed_c10d._get_default_group()
+    detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
+    wrapped = type(pg._get_backend(torch.device("cpu"))).__name__ == "_ProcessGroupWrapper"
+    if wrapped != detail:
+        failures["debug"].append(f"debug level {dist.get_debug_level()}, yet the backend is "
+                                 f"{type(pg._get_backend(torch.device('cpu'))).__name__}")
+    before = pg._get_sequence_number_for_group()
+    for _ in range(3):
+        dist.all_reduce(torch.ones(2))
+    seqs = [None] * world
+    dist.all_gather_object(seqs, (before, pg._get_sequence_number_for_group()))
+    if any(b + 3 != a for b, a in seqs) or len(set(seqs)) != 1:
+        failures["debug"].append(f"sequence numbers (before, after) by rank: {seqs}")
+    gen = torch.Generator().manual_seed(11)
+    parts = [(torch.randn(5, 3, generator=gen), torch.randn(3, 4, generator=gen)) for _ in range(world)]
+    got = gemm_allreduce(*parts[rank])
+    want = sum(a.double() @ b.double() for a, b in parts)
+    if not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5):
+        failures["debug"].append(f"gemm_allreduce: max difference {(got.double() - want).abs().max().item():.3g}")
+    try:
+        dist.all_reduce(torch.ones(4 + rank))
+        failures["debug"].append("an all_reduce whose sizes differ by rank returned")
+    except RuntimeError as e:
+        # (mk itself: every rank is told on one host; over tcp a pair that disagrees aborts the group)
+        said = ("Detected mismatch between collectives",) if detail else ("every rank must pass matching arguments",
+                                                                           "disagree on the")
+        if not any(x in str(e) for x in said):
+            failures["debug"].append(f"the mismatch raised: {str(e)[:300]}")
+
+
 FAMILIES: dict[str, Callable[[int, int], None]] = {
     "ddp": check_ddp, "fsdp2": check_fsdp2, "dtensor": check_dtensor, "batch_p2p": check_batch_p2p,
-    "funcol": check_funcol, "split_group": check_split_group}
+    "funcol": check_funcol, "split_group": check_split_group,
+    "debug": check_debug}  # (last: without DETAIL, mk's mismatch over tcp leaves the group aborted)
 
 
 def main() -> None:
@@ -218,11 +256,13 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - reported per family, the test decides
             failures[family].append(traceback.format_exc(limit=6))
         runs[family] = sum(collective_runs().values()) - before
-        dist.barrier()
+        if family != "debug":
+            dist.barrier()
     sys.stdout.write("REPORT " + json.dumps({"rank": rank, "world": world, "transports": transports(),
+                                             "debug": str(dist.get_debug_level()),
                                              "failures": failures, "runs": runs}) + "\n")
     sys.stdout.flush()
-    dist.destroy_process_group()
+    os._exit(0)  # (no destroy: over tcp the mismatch left the group aborted)
 
 
 if __name__ == "__main__":

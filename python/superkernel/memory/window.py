@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from superkernel import _C
-from superkernel.backend import BACKEND_NAME
+from superkernel.backend import BACKEND_NAME, cpu_backend
 
 PeerError = _C.PeerError
 CancelledError = _C.CancelledError
@@ -73,7 +73,7 @@ def _mk_backend(group: dist.ProcessGroup | None):
                            "(call dist.init_process_group('mk') first)")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
-        backend = pg._get_backend(torch.device("cpu"))
+        backend = cpu_backend(pg)
     except RuntimeError as e:
         raise RuntimeError(f"superkernel Window needs the {BACKEND_NAME!r} backend for CPU tensors; this group "
                            f"has none ({e})") from None
