@@ -145,15 +145,26 @@ std::map<std::string, c10::weak_intrusive_ptr<ProcessGroupMK>>& named() {
   return m;
 }
 
+// A weak reference keeps the object's destructor (which joins its threads) waiting until it goes, so each
+// entry goes in release_resources, when the last strong reference does (the agreement board's test counted
+// one destroyed group's progress thread still running per round while the entries stayed).
 void remember(const std::string& group_name, const c10::intrusive_ptr<ProcessGroupMK>& pg) {
   if (group_name.empty()) return;
   std::lock_guard<std::mutex> lock(named_mu);
-  auto& m = named();
-  for (auto it = m.begin(); it != m.end();) it = it->second.expired() ? m.erase(it) : std::next(it);
-  m.insert_or_assign(group_name, c10::weak_intrusive_ptr<ProcessGroupMK>(pg));
+  named().insert_or_assign(group_name, c10::weak_intrusive_ptr<ProcessGroupMK>(pg));
 }
 
 }  // namespace
+
+void ProcessGroupMK::release_resources() {
+  {
+    std::lock_guard<std::mutex> lock(named_mu);
+    auto& m = named();
+    for (auto it = m.begin(); it != m.end();)
+      it = it->second._unsafe_get_target() == this ? m.erase(it) : std::next(it);
+  }
+  // (c10d::Backend releases nothing there: intrusive_ptr_target's is empty, and private)
+}
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupMK::create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                          std::chrono::duration<float> timeout,

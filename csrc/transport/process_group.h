@@ -31,6 +31,8 @@ class ProcessGroupMK : public c10d::Backend {
   // The live mk backend created for the group named `group_name`, or null. With TORCH_DISTRIBUTED_DEBUG=DETAIL
   // torch puts a checking wrapper between a group and its backend, which the fused ops see through this way.
   static c10::intrusive_ptr<ProcessGroupMK> find_named(const std::string& group_name);
+  // The last strong reference went: forget the name (the destructor runs once the weak references are gone).
+  void release_resources() override;
 
   const std::string getBackendName() const override { return "mk"; }
   void setTimeout(std::chrono::milliseconds timeout) override;
