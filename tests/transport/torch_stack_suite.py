@@ -45,16 +45,20 @@ def model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(11, 13), torch.nn.Tanh(), torch.nn.Linear(13, 7))
 
 
+def train(m: torch.nn.Module, loss: Callable[[int], torch.Tensor]) -> None:
+    """STEPS steps of SGD on m, each step's loss from loss(step)."""
+    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    for step in range(STEPS):
+        loss(step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def reference(world: int) -> list[torch.Tensor]:
     """Rank 0's model trained on one rank: each step's gradient is the mean over ranks of each rank's
     gradient (what DDP and FSDP2 average), computed as the gradient of the mean loss."""
     m = model(0)
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    for step in range(STEPS):
-        loss = sum(m(batch(step, r)).pow(2).sum() for r in range(world)) / world
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train(m, lambda step: sum(m(batch(step, r)).pow(2).sum() for r in range(world)) / world)
     return [p.detach().clone() for p in m.parameters()]
 
 
@@ -69,11 +73,7 @@ def compare(family: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> N
 def check_ddp(rank: int, world: int) -> None:
     m = model(seed=rank)  # each rank starts elsewhere: DDP must broadcast rank 0's parameters
     ddp = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=1e-4)  # (one bucket per parameter)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    for step in range(STEPS):
-        ddp(batch(step, rank)).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    train(ddp, lambda step: ddp(batch(step, rank)).pow(2).sum())
     compare("ddp", [p.detach() for p in m.parameters()], reference(world))
 
 
@@ -87,11 +87,7 @@ def check_fsdp2(rank: int, world: int) -> None:
     shard = next(iter(m.parameters())).to_local()
     if shard.shape[0] == 13:
         failures["fsdp2"].append(f"the first weight is not sharded (local shape {tuple(shard.shape)})")
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    for step in range(STEPS):
-        m(batch(step, rank)).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    train(m, lambda step: m(batch(step, rank)).pow(2).sum())
     compare("fsdp2", [p.full_tensor() for p in m.parameters()], reference(world))
 
 

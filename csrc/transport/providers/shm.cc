@@ -255,15 +255,10 @@ void ShmProvider::check_peer(int j, const char* op) {
     std::lock_guard<std::mutex> lock(abort_mu_);
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": communicator aborted: ", abort_reason_));
   }
-  if (peers_[j]->control()->aborted.load()) {
-    // Fail what waits on that peer too (receives posted before it aborted; its queued sends): the progress
-    // thread's periodic check is how a rank that is not in a collective step learns of it. A receive from an
-    // aborted peer on this host waited for the group timeout (the kernel's "left alone" test, 3 of 3).
-    const std::string why = gone_reason(locals_[j]);
-    fail_peer(j, cat("rank ", rank_, ": ", why));
-    throw PeerError(cat("mk ", op, ": rank ", rank_, ": ", why));
-  }
-  if (process_exited(pidfds_[j], peers_[j]->pid())) {
+  // A peer that aborted or exited: fail what waits on it too (receives posted before; its queued sends). The
+  // progress thread's periodic check is how a rank that is not in a collective step learns of it; a receive
+  // from an aborted peer on this host waited for the group timeout (the kernel's "left alone" test, 3 of 3).
+  if (peers_[j]->control()->aborted.load() || process_exited(pidfds_[j], peers_[j]->pid())) {
     const std::string why = gone_reason(locals_[j]);
     fail_peer(j, cat("rank ", rank_, ": ", why));
     throw PeerError(cat("mk ", op, ": rank ", rank_, ": ", why));
