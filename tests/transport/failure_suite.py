@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,35 @@ elif scenario == "timeout_reason":
         attempt("recv_after", lambda: dist.recv(torch.empty(3), src=0, tag=5))
     report()
     os._exit(0)
+elif scenario == "abort_mid_frame":
+    # rank 0 stops rank 1 (SIGSTOP), puts 16 MiB into its window, and aborts while the put's frame is half
+    # sent; 0.3 s later it resumes rank 1, which waits in a receive from rank 0. The put's socket then ends in
+    # the middle of a frame, and rank 1 meets that first: the ABORT frame waits on the other socket.
+    import signal
+    import threading
+    from superkernel.memory import Window
+    g = dist.new_group(backend="mk")
+    win = Window(torch.zeros(4 << 20), g)
+    dist.all_reduce(torch.ones(4), group=g)  # (connections made)
+    pids: list[int | None] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:
+        time.sleep(0.5)  # (rank 1 is in its receive)
+        os.kill(pids[1], signal.SIGSTOP)
+        while Path(f"/proc/{pids[1]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)
+        put = threading.Thread(target=attempt, args=("put", lambda: win.put(1, 0, torch.ones(4 << 20))))
+        put.start()
+        time.sleep(0.5)
+        attempt("abort", g.abort)
+        put.join()
+        time.sleep(0.3)
+        os.kill(pids[1], signal.SIGCONT)
+    else:
+        attempt("recv", lambda: dist.recv(torch.empty(3), src=0, tag=5, group=g))
+    dist.barrier()  # (the default group is untouched)
+    report()
+    os._exit(0)  # skip destroy: g is broken
 elif scenario == "kill9":
     dist.barrier()
     print(f"READY {os.getpid()}", flush=True)

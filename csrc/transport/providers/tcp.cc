@@ -518,8 +518,9 @@ void TcpProvider::on_readable(Conn& c) {
   // End of file inside a frame: an ABORT frame that did not fit whole still says the peer aborted.
   auto cut_short = [&] {
     const bool abort_frame = c.hdr_got >= offsetof(WireHeader, tag) && c.hdr.magic == kMagic && c.hdr.type == kAbort;
-    return peer_failed(c.peer, abort_frame ? cat("peer ", c.peer, " (", p.addr, ") aborted its communicator (its reason was cut short)")
-                                           : cat("peer ", c.peer, " (", p.addr, ") closed the connection in the middle of a frame"));
+    if (abort_frame)
+      return peer_failed(c.peer, cat("peer ", c.peer, " (", p.addr, ") aborted its communicator (its reason was cut short)"));
+    return connection_failed(c, cat("peer ", c.peer, " (", p.addr, ") closed the connection in the middle of a frame"));
   };
   while (true) {
     if (c.cur == nullptr && !c.rma) {
@@ -529,7 +530,7 @@ void TcpProvider::on_readable(Conn& c) {
       if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         if (errno == EINTR) continue;
-        return peer_failed(c.peer, cat("connection to peer ", c.peer, " (", p.addr, ") failed: ", strerror(errno)));
+        return connection_failed(c, cat("connection to peer ", c.peer, " (", p.addr, ") failed: ", strerror(errno)));
       }
       c.hdr_got += size_t(k);
       if (c.hdr_got < sizeof(WireHeader)) continue;
@@ -568,7 +569,7 @@ void TcpProvider::on_readable(Conn& c) {
       if (k < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         if (errno == EINTR) continue;
-        return peer_failed(c.peer, cat("connection to peer ", c.peer, " (", p.addr, ") failed: ", strerror(errno)));
+        return connection_failed(c, cat("connection to peer ", c.peer, " (", p.addr, ") failed: ", strerror(errno)));
       }
       c.cur_dst += k;
       c.frag_left -= size_t(k);
@@ -619,7 +620,33 @@ void TcpProvider::conn_closed(Conn& c) {
     std::lock_guard<std::mutex> lock(c.mu);
     needed = !c.out.empty();
   }
-  if (needed || ++p.conns_closed == p.conns.size()) peer_failed(c.peer, why);
+  if (needed || ++p.conns_closed == p.conns.size()) connection_failed(c, why);
+}
+
+void TcpProvider::connection_failed(Conn& c, const std::string& why) {
+  const std::string said = abort_waiting(c);
+  peer_failed(c.peer, said.empty() ? why : said);
+}
+
+std::string TcpProvider::abort_waiting(const Conn& failed) const {
+  const Peer& p = *peers_[failed.peer];
+  for (const auto& c : p.conns) {
+    // Only a socket between frames can hold an ABORT frame next (its header possibly begun).
+    if (c.get() == &failed || c->closed || c->cur != nullptr || c->rma) continue;
+    char buf[sizeof(WireHeader) + kAbortWhyBytes];
+    std::memcpy(buf, &c->hdr, c->hdr_got);
+    const ssize_t k = ::recv(c->fd, buf + c->hdr_got, sizeof(buf) - c->hdr_got, MSG_PEEK | MSG_DONTWAIT);
+    if (k <= 0) continue;
+    const size_t have = c->hdr_got + size_t(k);
+    if (have < offsetof(WireHeader, tag)) continue;
+    WireHeader h{};
+    std::memcpy(&h, buf, std::min(have, sizeof(h)));
+    if (h.magic != kMagic || h.version != kVersion || h.type != kAbort) continue;
+    const bool whole = have >= sizeof(h) && h.length <= kAbortWhyBytes && have - sizeof(h) >= h.length;
+    return cat("peer ", failed.peer, " (", p.addr, ") aborted its communicator (",
+               whole ? std::string(buf + sizeof(h), size_t(h.length)) : std::string("its reason was cut short"), ")");
+  }
+  return {};
 }
 
 void TcpProvider::peer_failed(int peer, const std::string& why) {
@@ -639,7 +666,9 @@ void TcpProvider::peer_failed(int peer, const std::string& why) {
       if (f.msg) sends.push_back(f.msg);
     c->out.clear();
     if (!c->closed) unwatch(*c);
-    ::shutdown(c->fd, SHUT_RDWR);
+    // Write side only: a socket shut for reading answers the peer's next bytes with a reset, which takes our
+    // unsent bytes (an ABORT frame) with it and can reach the peer before the ABORT frame on another socket.
+    ::shutdown(c->fd, SHUT_WR);
     c->cur = nullptr;
   }
   for (auto& s : sends) s->req->fail(msg);
@@ -660,7 +689,7 @@ void TcpProvider::abort(const std::string& why) {
   for (auto& p : peers_)
     if (p)
       for (auto& c : p->conns)
-        if (c && c->fd >= 0) ::shutdown(c->fd, SHUT_RDWR);
+        if (c && c->fd >= 0) ::shutdown(c->fd, SHUT_WR);  // (after the ABORT frame; see peer_failed)
   uint64_t one = 1;
   if (wakefd_ >= 0) (void)!::write(wakefd_, &one, sizeof(one));
   // The batch of events the progress thread handles now ends before this returns (see pass_mu_), then every

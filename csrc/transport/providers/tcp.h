@@ -106,6 +106,13 @@ class TcpProvider final : public Provider {
   // Progress thread: the peer closed connection c between frames (end of file).
   void conn_closed(Conn& c);
   void peer_failed(int peer, const std::string& why);
+  // Progress thread: connection c broke (reset, cut short, closed with frames due): the peer fails, with the
+  // reason from an ABORT frame already waiting on another of its sockets if there is one (the sockets' events
+  // come in no fixed order, and a reset on one can be seen before the ABORT frame sent earlier on another).
+  void connection_failed(Conn& c, const std::string& why);
+  // The text for an ABORT frame that has arrived, unread, on one of the failed connection's sibling sockets
+  // ("" if none has).
+  std::string abort_waiting(const Conn& failed) const;
   // abort(), first call: an ABORT frame with `why` on every socket whose stream is between frames, so the
   // peers can say why this rank left, not only that its connections closed.
   void announce_abort(const std::string& why);
