@@ -152,7 +152,11 @@ elif scenario == "abort_mid_frame":
     if rank == 0:
         time.sleep(0.5)  # (rank 1 is in its receive)
         os.kill(pids[1], signal.SIGSTOP)
+        stopped_by = time.monotonic() + 10
         while Path(f"/proc/{pids[1]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            if time.monotonic() > stopped_by:
+                os.kill(pids[1], signal.SIGCONT)
+                raise SystemExit(f"rank 0: rank 1 (pid {pids[1]}) did not stop within 10 s of SIGSTOP")
             time.sleep(0.01)
         put = threading.Thread(target=attempt, args=("put", lambda: win.put(1, 0, torch.ones(4 << 20))))
         put.start()
